@@ -1,0 +1,348 @@
+"""Qwen3.5/3.6 hybrid MoE (Gated DeltaNet + gated attention) as an MLX module graph.
+
+Follows mlx-lm's model protocol: `model(inputs [B, L], cache) -> logits [B, L, V]`, `layers`,
+`make_cache()`, `sanitize`, `quant_predicate`, `cast_predicate`. Module names are the MLX-layout
+checkpoint keys (`language_model.model.layers.N...`), so converted checkpoints load as they are
+and stock mlx-lm reads what we write.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from . import ops
+from .config import ModelConfig
+from .layers import GatedRMSNorm, Linear, RMSNorm, SwitchLinear
+from .ops import reference
+
+
+class Attention(nn.Module):
+    """Gated full attention: q_proj emits [q | gate] per head; q/k RMSNorm; partial RoPE."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rope_dims, self.rope_theta = cfg.rope_dims, cfg.rope_theta
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = Linear(H, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(H, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(H, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, H, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, L, D]
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = ops.rope(q, self.rope_dims, self.rope_theta, offset)
+        k = ops.rope(k, self.rope_dims, self.rope_theta, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = ops.attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.Dk, self.Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.Hk * self.Dk, self.Hv * self.Dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = cfg.linear_conv_kernel_dim
+        H = cfg.hidden_size
+        self.in_proj_qkv = Linear(H, self.conv_dim)
+        self.in_proj_z = Linear(H, self.value_dim)
+        self.in_proj_b = Linear(H, self.Hv)
+        self.in_proj_a = Linear(H, self.Hv)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
+        self.dt_bias = mx.ones((self.Hv,))
+        self.A_log = mx.zeros((self.Hv,))
+        self.norm = GatedRMSNorm(self.Dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, H)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x)  # [B, T, 2*Hk*Dk + Hv*Dv]
+        z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, Hv]
+        conv_state = cache[0] if cache is not None and cache[0] is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_width - 1, self.conv_dim), dtype=x.dtype)
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        lengths = cache.lengths if cache is not None else None
+        conv_out, conv_state = ops.causal_conv1d(qkv, self.conv1d.weight, conv_state, lengths=lengths)
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = reference.l2_normalize(q.reshape(B, T, self.Hk, self.Dk)) * (self.Dk**-0.5)
+        k = reference.l2_normalize(k.reshape(B, T, self.Hk, self.Dk))
+        v = v.reshape(B, T, self.Hv, self.Dv)
+        log_g, beta = reference.deltanet_gates(a, b, self.A_log, self.dt_bias)
+        state = cache[1] if cache is not None else None
+        y, state = ops.gated_delta(q, k, v, log_g, beta, state, mask)
+        if cache is not None:
+            cache[0], cache[1] = conv_state, state
+            cache.advance(T)
+        out = self.norm(y, z)  # [B, T, Hv, Dv]
+        return self.out_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = Linear(dims, hidden)
+        self.up_proj = Linear(dims, hidden)
+        self.down_proj = Linear(hidden, dims)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SwitchGLU(nn.Module):
+    def __init__(self, dims: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., H], indices [..., k] -> [..., k, H]."""
+        x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
+        # Many tokens: sort by expert so each expert's rows are contiguous (as mlx-lm does).
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            k = indices.shape[-1]
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inv_order = mx.argsort(order)
+            x, idx = x.flatten(0, -3)[order // k], flat[order]
+        h = nn.silu(self.gate_proj(x, idx, sorted_indices=do_sort)) * self.up_proj(x, idx, sorted_indices=do_sort)
+        y = self.down_proj(h, idx, sorted_indices=do_sort)
+        if do_sort:
+            y = mx.unflatten(y[inv_order], 0, indices.shape)
+        return y.squeeze(-2)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(H, cfg.num_experts)
+        self.switch_mlp = SwitchGLU(H, cfg.moe_intermediate_size, cfg.num_experts)
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(H, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)  # [..., k]
+        y = self.switch_mlp(x, inds)  # [..., k, H]
+        y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, is_linear: Optional[bool] = None):
+        super().__init__()
+        self.is_linear = cfg.is_linear(layer_idx) if is_linear is None else is_linear
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(cfg)
+
+    def __call__(self, x, mask=None, cache=None):
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        kinds = [l.is_linear for l in self.layers]
+        self.ssm_idx = kinds.index(True) if True in kinds else None
+        self.fa_idx = kinds.index(False) if False in kinds else None
+
+    def __call__(self, inputs, cache=None, input_embeddings=None, return_hidden=False):
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+        out = self.norm(h)
+        return (out, h) if return_hidden else out
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = TextModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        return self.logits(self.model(inputs, cache, input_embeddings))
+
+
+class MTP(nn.Module):
+    """The checkpoint's multi-token-prediction head (`mtp.*`): fc([norm(embed(t+1)) | norm(h_t)]) ->
+    full-attention MoE decoder layer(s) -> norm -> the main lm_head. Kept for speculative decoding."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = Linear(2 * H, H)
+        self.layers = [DecoderLayer(cfg, 0, is_linear=False) for _ in range(num_layers)]
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache=None) -> mx.array:
+        h = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=mask, cache=c)
+        return self.norm(h)
+
+
+# Norm weights that HF checkpoints store zero-centred (w - 1); the DeltaNet gated norm is not one of them.
+_ZERO_CENTRED_NORMS = re.compile(
+    r"(\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm|model\.norm|^mtp\.norm"
+    r"|\.pre_fc_norm_embedding|\.pre_fc_norm_hidden)\.weight$"
+)
+_PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, mtp_layers: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.model_type = cfg.model_type
+        self.args = cfg
+        self.language_model = LanguageModel(cfg)
+        if mtp_layers:
+            self.mtp = MTP(cfg, mtp_layers)
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
+
+    @property
+    def layers(self):
+        return self.language_model.model.layers
+
+    def make_cache(self) -> list[Any]:
+        return [ArraysCache(size=2) if l.is_linear else KVCache() for l in self.layers]
+
+    @staticmethod
+    def checkpoint_layout(keys) -> str:
+        """'mlx' (language_model.model.*, norms already shifted) or 'hf' (model.language_model.* / model.*)."""
+        keys = list(keys)
+        if any(k.startswith("language_model.") for k in keys):
+            return "mlx"
+        return "hf"
+
+    @staticmethod
+    def rename(key: str, layout: str) -> Optional[str]:
+        """Checkpoint key -> our key, or None for tensors we skip (the vision tower)."""
+        if key.startswith(("model.visual.", "visual.", "vision_tower.")):
+            return None
+        if key.startswith("mtp."):
+            return key
+        if layout == "mlx":
+            return key
+        if key.startswith("model.language_model."):
+            return "language_model.model." + key[len("model.language_model."):]
+        if key.startswith("model."):
+            return "language_model.model." + key[len("model."):]
+        if key == "lm_head.weight":
+            return "language_model.lm_head.weight"
+        return key
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return self.sanitize_with_origins(weights)[0]
+
+    def sanitize_with_origins(self, weights: dict[str, mx.array]):
+        """All checkpoint renaming in one place: any of the three layouts -> our parameter names.
+
+        Returns (weights, origin) where origin maps each new key to the checkpoint key it came from.
+        """
+        layout = self.checkpoint_layout(weights)
+        out: dict[str, mx.array] = {}
+        origin: dict[str, str] = {}
+        experts: dict[tuple[str, str], dict[int, tuple[str, mx.array]]] = {}
+
+        def put(new_key, value, old_key):
+            out[new_key] = value
+            origin[new_key] = old_key
+
+        for old, value in weights.items():
+            key = self.rename(old, layout)
+            if key is None:
+                continue
+            m = _PER_EXPERT.match(key)
+            if m:
+                experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = (old, value)
+            elif key.endswith(".mlp.experts.gate_up_proj"):
+                prefix = key[: -len(".experts.gate_up_proj")]
+                mid = value.shape[-2] // 2  # [E, 2I, H], gate rows first
+                put(f"{prefix}.switch_mlp.gate_proj.weight", value[..., :mid, :], old)
+                put(f"{prefix}.switch_mlp.up_proj.weight", value[..., mid:, :], old)
+            elif key.endswith(".mlp.experts.down_proj"):
+                put(key[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight", value, old)
+            else:
+                if key.endswith("conv1d.weight") and value.ndim == 3 and value.shape[-1] != 1:
+                    value = value.moveaxis(2, 1)  # HF [C, 1, W] -> MLX [C, W, 1]
+                if layout == "hf" and value.ndim == 1 and _ZERO_CENTRED_NORMS.search(key):
+                    value = value + 1.0
+                put(key, value, old)
+        for (prefix, proj), by_index in experts.items():
+            n = max(by_index) + 1
+            missing = sorted(set(range(n)) - set(by_index))
+            if missing:
+                raise KeyError(f"{prefix}.experts: {proj} tensors missing for experts {missing}")
+            first = by_index[0][0]
+            put(f"{prefix}.switch_mlp.{proj}.weight", mx.stack([by_index[e][1] for e in range(n)]), first)
+        if self.config.tie_word_embeddings:
+            out.pop("language_model.lm_head.weight", None)
+        return out, origin
+
+    @property
+    def quant_predicate(self):
+        def predicate(path: str, _module):
+            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}
+            return True
+
+        return predicate
+
+    @property
+    def cast_predicate(self):
+        return lambda path: not path.endswith("A_log")

@@ -1,0 +1,134 @@
+"""The one entry point per hot op. Models import only this module.
+
+Each op picks an implementation by device and shape: a custom kernel (CUDA or Metal) where one is
+registered, enabled and applicable, else the plain-MLX reference (which is also the CPU path).
+Every fused path can be switched off for A/B attribution, by API (`set_enabled`) or by the
+environment: LILY_MLX_DISABLE=qmv,gather,... (or `all`).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from . import reference
+
+KERNEL_NAMES: dict[str, str] = {}  # switch name -> one-line description, filled by kernel modules
+_disabled: set[str] = {s.strip() for s in os.environ.get("LILY_MLX_DISABLE", "").split(",") if s.strip()}
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': where ops placed on the default device run."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def enabled(name: str) -> bool:
+    return "all" not in _disabled and name not in _disabled
+
+
+def set_enabled(name: str, on: bool) -> None:
+    if name != "all" and name not in KERNEL_NAMES:
+        raise KeyError(f"unknown kernel switch {name!r}; known: {sorted(KERNEL_NAMES)} or 'all'")
+    (_disabled.discard if on else _disabled.add)(name)
+
+
+@contextmanager
+def disabled(*names: str):
+    """Temporarily switch fused paths off: `with ops.disabled('qmv'): ...`."""
+    before = set(_disabled)
+    for n in names:
+        set_enabled(n, False)
+    try:
+        yield
+    finally:
+        _disabled.clear()
+        _disabled.update(before)
+
+
+# Kernel modules register here: name -> fn(*args, **kwargs) -> result or None (not applicable).
+_kernels: dict[str, Callable] = {}
+
+
+def register_kernel(name: str, description: str, fn: Callable) -> None:
+    KERNEL_NAMES[name] = description
+    _kernels[name] = fn
+
+
+def _try(name: str, *args, **kwargs):
+    fn = _kernels.get(name)
+    if fn is None or not enabled(name) or backend() == "cpu":
+        return None
+    return fn(*args, **kwargs)
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """x [..., K] times affine-quantized w [N, K*bits/32] (scales/biases [N, K/group]) -> [..., N]."""
+    out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits)
+    if out is not None:
+        return out
+    return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False):
+    """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]."""
+    out = _try("gather", x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)
+    if out is not None:
+        return out
+    return reference.gather_matmul(
+        x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits, sorted_indices=sorted_indices
+    )
+
+
+def rms_norm(x, weight, eps: float) -> mx.array:
+    return reference.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x, z, weight, eps: float) -> mx.array:
+    """rmsnorm(x [..., D]) * weight * silu(z [..., D])."""
+    return reference.gated_rms_norm(x, z, weight, eps)
+
+
+def causal_conv1d(x, weight, state, lengths=None):
+    """x [B, T, C], weight [C, W, 1], state [B, W-1, C] -> (silu(conv(x)) [B, T, C], new state)."""
+    return reference.causal_conv1d(x, weight, state, lengths)
+
+
+# Below this many tokens the sequential scan beats the chunked form's fixed cost.
+CHUNKED_MIN_TOKENS = 16
+
+
+def gated_delta(q, k, v, log_g, beta, state: Optional[mx.array] = None, mask=None):
+    """Gated delta rule. q, k [B, T, Hk, Dk] normalised; v [B, T, Hv, Dv]; log_g, beta [B, T, Hv]
+    float32; state [B, Hv, Dv, Dk] float32; mask [B, T] bool. Returns (y [B, T, Hv, Dv], state)."""
+    out = _try("deltanet", q, k, v, log_g, beta, state, mask)
+    if out is not None:
+        return out
+    if q.shape[1] >= CHUNKED_MIN_TOKENS:
+        return reference.gated_delta_chunked(q, k, v, log_g, beta, state, mask)
+    return reference.gated_delta_sequential(q, k, v, log_g, beta, state, mask)
+
+
+def rope(x, dims: int, base: float, offset) -> mx.array:
+    return reference.rope(x, dims, base, offset)
+
+
+def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]."""
+    out = _try("attention", q, k, v, scale=scale, mask=mask)
+    if out is not None:
+        return out
+    return reference.attention(q, k, v, scale=scale, mask=mask)
+
+
+def moe_route(logits, top_k: int, normalize: bool):
+    """Router logits [..., E] -> (expert indices [..., k], weights [..., k] float32)."""
+    return reference.moe_route(logits, top_k, normalize)
