@@ -108,7 +108,7 @@ def _apply_mask(log_g, beta, mask):
     # A masked (padding) token becomes an exact no-op on the state: decay 1, write strength 0.
     if mask is None:
         return log_g, beta
-    return mx.where(mask, log_g, 0.0), mx.where(mask, beta, 0.0)
+    return mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
 
 
 def _expand_heads(q, k, Hv):
