@@ -27,3 +27,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "metal" in item.keywords and not metal:
             item.add_marker(skip_metal)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """The same tiny random model in every layout: hf, hf_sharded, per_expert, mlx (fp32), mlx_bf16, mlx_q4.
+
+    Returns (paths dict, the transformers model)."""
+    import tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    hf = tiny.hf_model()
+    paths = {
+        "hf": tiny.write_hf(hf, root / "hf"),
+        "hf_sharded": tiny.write_hf(hf, root / "hf_sharded", shards=3),
+        "per_expert": tiny.write_per_expert(hf, root / "per_expert"),
+    }
+    paths["mlx"] = tiny.write_mlx(paths["hf"], root / "mlx")
+    paths["mlx_bf16"] = tiny.write_mlx(paths["hf"], root / "mlx_bf16", dtype="bfloat16")
+    paths["mlx_q4"] = tiny.write_mlx(paths["hf"], root / "mlx_q4", quantize=True, group_size=32, bits=4)
+    return paths, hf

@@ -50,6 +50,10 @@ def quantized_matmul_oracle(x, w, scales, biases, *, group_size: int, bits: int)
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False):
     """Expert matmul: x [..., 1, 1, K] (or [..., k, 1, K]) with expert weights w [E, N, K], indices [..., k] -> [..., k, 1, N]."""
     if scales is None:
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU GatherMM takes float32 only
+            y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            return y.astype(x.dtype)
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
     return mx.gather_qmm(
         x, w, scales, biases, rhs_indices=indices, transpose=True,
