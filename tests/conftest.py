@@ -47,3 +47,16 @@ def tiny_checkpoints(tmp_path_factory):
     paths["mlx_bf16"] = tiny.write_mlx(paths["hf"], root / "mlx_bf16", dtype="bfloat16")
     paths["mlx_q4"] = tiny.write_mlx(paths["hf"], root / "mlx_q4", quantize=True, group_size=32, bits=4)
     return paths, hf
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra) -> dict:
+    """Environment for a child python that imports lily_mlx from this checkout and tests/ helpers."""
+    import os
+
+    env = dict(os.environ, **extra)
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
