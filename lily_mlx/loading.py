@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, ModelConfig
+from .embedded import resolve_embedded
 from .model import Model
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -24,7 +25,7 @@ class CheckpointError(ValueError):
 
 def resolve_model_path(path_or_repo: str | Path, revision: Optional[str] = None) -> Path:
     """A local folder, or a hub repo fetched with huggingface_hub (offline mode and local cache honoured)."""
-    path = Path(path_or_repo).expanduser()
+    path = Path(resolve_embedded(path_or_repo)).expanduser()  # "embedded" -> the shipped checkpoint
     if path.is_dir():
         return path
     if path.exists():
