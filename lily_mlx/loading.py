@@ -177,7 +177,6 @@ def load_model(
             raise CheckpointError(f"{f}: cannot read safetensors file ({e})") from None
 
     probe = Model(cfg)
-    layout = probe.checkpoint_layout(weights)
     try:
         sanitized, origin_keys = probe.sanitize_with_origins(weights)
     except KeyError as e:

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from . import ops
 from .config import ModelConfig
@@ -50,7 +50,10 @@ class Attention(nn.Module):
         k = ops.rope(k, self.rope_dims, self.rope_theta, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = ops.attention(q, k, v, scale=self.scale, mask=mask)
+        if hasattr(cache, "bits"):  # mlx-lm's QuantizedKVCache (kv_bits): its own quantized attention
+            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        else:
+            out = ops.attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
@@ -258,8 +261,13 @@ class Model(nn.Module):
     def layers(self):
         return self.language_model.model.layers
 
-    def make_cache(self) -> list[Any]:
-        return [ArraysCache(size=2) if l.is_linear else KVCache() for l in self.layers]
+    def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:
+        """DeltaNet layers: [conv state, recurrent state]; attention layers: a KV cache, a rotating
+        window of `max_kv_size` (keeping the first 4 tokens, as mlx-lm does) when given."""
+        def kv():
+            return KVCache() if max_kv_size is None else RotatingKVCache(max_size=max_kv_size, keep=4)
+
+        return [ArraysCache(size=2) if l.is_linear else kv() for l in self.layers]
 
     @staticmethod
     def checkpoint_layout(keys) -> str:

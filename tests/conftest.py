@@ -43,6 +43,8 @@ def tiny_checkpoints(tmp_path_factory):
         "hf_sharded": tiny.write_hf(hf, root / "hf_sharded", shards=3),
         "per_expert": tiny.write_per_expert(hf, root / "per_expert"),
     }
+    for p in paths.values():
+        tiny.write_tokenizer(p)
     paths["mlx"] = tiny.write_mlx(paths["hf"], root / "mlx")
     paths["mlx_bf16"] = tiny.write_mlx(paths["hf"], root / "mlx_bf16", dtype="bfloat16")
     paths["mlx_q4"] = tiny.write_mlx(paths["hf"], root / "mlx_q4", quantize=True, group_size=32, bits=4)
