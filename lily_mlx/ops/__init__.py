@@ -132,3 +132,7 @@ def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
 def moe_route(logits, top_k: int, normalize: bool):
     """Router logits [..., E] -> (expert indices [..., k], weights [..., k] float32)."""
     return reference.moe_route(logits, top_k, normalize)
+
+
+# Kernel modules register themselves on import; they need register_kernel above.
+from . import qmv as _qmv  # noqa: E402,F401

@@ -1,0 +1,38 @@
+// CUDA face of the kernel prelude: the names every kernels/*.inc body uses (see prelude_metal.h).
+// MLX's cuda_kernel puts this header before the generated __global__ function (NVRTC, sm_90a).
+#ifndef LILY_PRELUDE_CUDA_H
+#define LILY_PRELUDE_CUDA_H
+
+#define LILY_CUDA 1
+#define LILY_INLINE __device__ __forceinline__
+#define LILY_SHARED __shared__
+#define LILY_UNROLL _Pragma("unroll")
+
+// Global memory as seen by a kernel body; vector loads through the read-only path.
+#define LILY_LDG_U4(ptr, idx) __ldg(reinterpret_cast<const uint4*>(ptr) + (idx))
+#define LILY_U4_ZERO make_uint4(0u, 0u, 0u, 0u)
+#define LILY_F4(a, b, c, d) make_float4((a), (b), (c), (d))
+#define LILY_AS_FLOAT(u) __uint_as_float(u)
+#define LILY_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+
+// Block-wide barrier over shared memory; xor shuffle inside one warp of 32 lanes.
+#define LILY_BARRIER() __syncthreads()
+LILY_INLINE float lily_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+LILY_INLINE float lily_warp_sum(float v) {
+  LILY_UNROLL
+  for (int off = 16; off > 0; off >>= 1) v += lily_shfl_xor(v, off);
+  return v;
+}
+
+LILY_INLINE float lily_float(float v) { return v; }
+LILY_INLINE float lily_float(__half v) { return __half2float(v); }
+LILY_INLINE float lily_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
+template <> LILY_INLINE __half lily_cast<__half>(float v) { return __float2half_rn(v); }
+template <> LILY_INLINE __nv_bfloat16 lily_cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
+
+#endif

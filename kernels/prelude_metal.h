@@ -1,0 +1,31 @@
+// Metal face of the kernel prelude: the same names as prelude_cuda.h, so one body serves both.
+// MLX's metal_kernel puts this header (after its own utils: metal_stdlib, bfloat16_t, float16_t)
+// before the generated [[kernel]] function. simdgroup = 32 lanes on Apple GPUs, like a CUDA warp.
+#ifndef LILY_PRELUDE_METAL_H
+#define LILY_PRELUDE_METAL_H
+
+#define LILY_METAL 1
+#define LILY_INLINE inline
+#define LILY_SHARED threadgroup
+#define LILY_UNROLL _Pragma("clang loop unroll(full)")
+
+#define LILY_LDG_U4(ptr, idx) (reinterpret_cast<const device uint4*>(ptr)[(idx)])
+#define LILY_U4_ZERO uint4(0u)
+#define LILY_F4(a, b, c, d) float4((a), (b), (c), (d))
+#define LILY_AS_FLOAT(u) as_type<float>(u)
+#define LILY_FMA(a, b, c) metal::fma((a), (b), (c))
+
+#define LILY_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+LILY_INLINE float lily_shfl_xor(float v, int mask) { return simd_shuffle_xor(v, static_cast<ushort>(mask)); }
+
+LILY_INLINE float lily_warp_sum(float v) { return simd_sum(v); }
+
+LILY_INLINE float lily_float(float v) { return v; }
+LILY_INLINE float lily_float(half v) { return static_cast<float>(v); }
+LILY_INLINE float lily_float(bfloat16_t v) { return static_cast<float>(v); }
+
+template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
+
+LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
+
+#endif

@@ -1,0 +1,118 @@
+"""Custom-kernel infrastructure: kernel sources, per-backend assembly, compiled-kernel cache, registry.
+
+Each kernel is ONE body, kernels/<name>.inc, shared by CUDA and Metal. A backend's face is a
+header (kernels/prelude_<backend>.h: macros and inline functions for barriers, shuffles, loads,
+conversions) and an entry snippet (kernels/entry_<backend>.inc: the launch indices, declared at the
+top of the body). The wheel carries kernels/ as lily_mlx/kernels (pyproject's force-include);
+a source checkout reads the repository's kernels/ directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from . import metal_source
+
+TemplateArg = Union[int, bool, mx.Dtype]
+BACKENDS = ("cuda", "metal")
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent / "kernels"  # installed wheel
+_REPO_DIR = Path(__file__).resolve().parents[2] / "kernels"  # source checkout
+
+
+def kernel_dir() -> Path:
+    for d in (_PACKAGE_DIR, _REPO_DIR):
+        if (d / "prelude_cuda.h").is_file():
+            return d
+    raise FileNotFoundError(f"kernel sources not found: looked for prelude_cuda.h in {_PACKAGE_DIR} and {_REPO_DIR}")
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(filename: str) -> str:
+    path = kernel_dir() / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {path} does not exist")
+    return path.read_text()
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One concrete call of a kernel: what MLX needs to write its full source."""
+
+    template: tuple[tuple[str, TemplateArg], ...]
+    inputs: tuple[tuple[mx.Dtype, tuple[int, ...]], ...]  # (dtype, shape) per input
+    output_dtypes: tuple[mx.Dtype, ...]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str  # MLX kernel name; the body is kernels/<body>
+    body: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    template_params: tuple[str, ...]  # names, in the order calls pass them
+    description: str
+    instances: Callable[[], list[Instance]]  # the instantiations the project uses (compile checks)
+
+
+SPECS: dict[str, KernelSpec] = {}
+
+
+def register_spec(spec: KernelSpec) -> KernelSpec:
+    if spec.name in SPECS and SPECS[spec.name] != spec:
+        raise ValueError(f"kernel {spec.name!r} is registered twice with different specs")
+    SPECS[spec.name] = spec
+    return spec
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} has no custom kernels; expected one of {BACKENDS}")
+
+
+def header(backend: str) -> str:
+    _check_backend(backend)
+    return read_source(f"prelude_{backend}.h")
+
+
+def body(spec: KernelSpec, backend: str) -> str:
+    _check_backend(backend)
+    return read_source(f"entry_{backend}.inc") + "\n" + read_source(spec.body)
+
+
+def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, str]:
+    """(kernel name, the complete source MLX compiles for this instance on `backend`)."""
+    write = metal_source.cuda_source if backend == "cuda" else metal_source.metal_source
+    return write(spec.name, spec.input_names, spec.output_names, body(spec, backend), header(backend),
+                 inst.inputs, inst.output_dtypes, inst.template)
+
+
+@functools.lru_cache(maxsize=None)
+def build(name: str, backend: str):
+    """The compiled-on-first-use MLX kernel object for a registered spec on a backend."""
+    spec = SPECS[name]
+    src, hdr = body(spec, backend), header(backend)
+    if backend == "cuda":
+        return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
+                                   output_names=list(spec.output_names), source=src, header=hdr)
+    return mx.fast.metal_kernel(name=name, input_names=list(spec.input_names),
+                                output_names=list(spec.output_names), source=src, header=hdr)
+
+
+def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence[tuple[str, TemplateArg]],
+         grid: tuple[int, int, int], threadgroup: tuple[int, int, int], output_shapes, output_dtypes,
+         init_value: Optional[float] = None) -> list[mx.array]:
+    spec = SPECS[name]
+    names = tuple(n for n, _ in template)
+    if names != spec.template_params:
+        raise ValueError(f"kernel {name!r}: template arguments {names} != declared {spec.template_params}")
+    if len(inputs) != len(spec.input_names):
+        raise ValueError(f"kernel {name!r}: {len(inputs)} inputs given, expected {spec.input_names}")
+    kwargs = {} if init_value is None else {"init_value": init_value}
+    return build(name, backend)(inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
+                                output_shapes=list(output_shapes), output_dtypes=list(output_dtypes), **kwargs)

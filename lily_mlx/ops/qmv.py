@@ -1,0 +1,128 @@
+"""qmv: the fused affine dequant-GEMV, y = x @ dequant(w)^T for a few rows of x (decode).
+
+One body (kernels/qmv.inc) for CUDA and Metal. This module picks the launch shape, checks that
+the kernel applies (else the dispatcher runs the reference) and registers switch "qmv".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from . import kernels, register_kernel
+
+MAX_M = 8  # rows of x; beyond this the matmul is compute-bound and MLX's qmm wins
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+X_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+SCALE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+XBUDGET = 6144  # floats of x one block stages per K tile; the same constant as in qmv.inc
+MIN_BLOCKS = 256  # fewer row blocks than this: shrink them, so small N still fills the GPU
+MAX_BLOCKS = 528  # persistent grid: blocks loop over row blocks beyond this
+
+SPEC_PARAMS = ("T", "BITS", "GS", "M", "K", "LANES", "RPS", "WARPS")
+
+# (K, N, bits) of Qwen3.5/3.6-35B-A3B's dense projections: attention q (with gate) / k, v / o,
+# DeltaNet qkv / z / a, b / out, shared expert gate, up / down, router, shared-expert gate, lm_head.
+MODEL_SHAPES = (
+    (2048, 8192, 4), (2048, 512, 4), (4096, 2048, 4), (2048, 4096, 4), (2048, 32, 4),
+    (512, 2048, 4), (2048, 256, 8), (2048, 1, 8), (2048, 248320, 4),
+)
+
+
+def plan(M: int, K: int, N: int, bits: int) -> dict:
+    """Launch shape: LANES lanes per row (a power of two dividing the row's 16-byte chunks, small
+    enough that x's tile fits), RPS rows per lane segment, WARPS per block, and the block count."""
+    cpc = 128 // bits
+    chunks = K // cpc
+    lanes = 32
+    while lanes > 1 and (chunks % lanes or M * lanes * cpc > XBUDGET):
+        lanes //= 2
+    tch = min(chunks, XBUDGET // (M * cpc) // lanes * lanes)
+    cpl = -(-tch // lanes)
+    sub = 32 // lanes
+    rps = max(1, min(4, 8 // cpl))  # at most 8 chunks (128 bytes) of w in flight per lane
+    warps = 8
+    while rps > 1 and -(-N // (warps * sub * rps)) < MIN_BLOCKS:
+        rps //= 2
+    while warps > 2 and -(-N // (warps * sub * rps)) < MIN_BLOCKS:
+        warps //= 2
+    row_blocks = -(-N // (warps * sub * rps))
+    return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
+
+
+def unsupported(x, w, scales, biases, group_size: int, bits: int) -> Optional[str]:
+    """Why the kernel does not apply to these arguments (None when it does)."""
+    if bits not in BITS:
+        return f"bits={bits} (kernel has {BITS})"
+    if group_size not in GROUP_SIZES:
+        return f"group_size={group_size} (kernel has {GROUP_SIZES})"
+    if x.dtype not in X_DTYPES or scales.dtype not in SCALE_DTYPES or biases is None or biases.dtype not in SCALE_DTYPES:
+        return "dtypes"
+    if x.ndim < 1 or x.size == 0 or w.ndim != 2 or w.dtype != mx.uint32:
+        return "shapes"
+    K, N = x.shape[-1], w.shape[0]
+    if K % group_size or w.shape[1] * 32 != K * bits or scales.shape != (N, K // group_size) or biases.shape != scales.shape:
+        return "shapes"
+    if x.size // K > MAX_M or N == 0:
+        return f"rows of x {x.size // K} > {MAX_M}"
+    if N * K >= 2**31:
+        return "int32 indexing"
+    return None
+
+
+def instance(x_dtype, scale_dtype, M: int, K: int, N: int, bits: int, group_size: int) -> kernels.Instance:
+    p = plan(M, K, N, bits)
+    template = (("T", x_dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
+                ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+    inputs = ((x_dtype, (M, K)), (mx.uint32, (N, K * bits // 32)),
+              (scale_dtype, (N, K // group_size)), (scale_dtype, (N, K // group_size)))
+    return kernels.Instance(template, inputs, (x_dtype,))
+
+
+def qmv(x, w, scales, biases, *, group_size: int, bits: int, backend: str, init_value: Optional[float] = None):
+    """x [..., K] @ dequant(w [N, K*bits/32])^T -> [..., N] in x's dtype; None if not applicable."""
+    if unsupported(x, w, scales, biases, group_size, bits) is not None:
+        return None
+    K, N = x.shape[-1], w.shape[0]
+    M = x.size // K
+    p = plan(M, K, N, bits)
+    threads = 32 * p["WARPS"]
+    inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size)
+    (y,) = kernels.call("qmv", backend, [x.reshape(M, K), w, scales, biases], inst.template,
+                        grid=(p["blocks"] * threads, 1, 1), threadgroup=(threads, 1, 1),
+                        output_shapes=[(M, N)], output_dtypes=[x.dtype], init_value=init_value)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def _instances() -> list[kernels.Instance]:
+    """Model shapes at decode row counts in every x dtype, plus the test matrix's group sizes."""
+    seen, out = set(), []
+    combos = [(t, mx.bfloat16, M, K, N, b, 64) for (K, N, b) in MODEL_SHAPES for M in (1, 2, 3, 4, 8) for t in X_DTYPES]
+    combos += [(t, s, M, K, N, b, g) for b in BITS for g in GROUP_SIZES for M in (1, 3, 8) for t in (mx.float32, mx.bfloat16)
+               for s in (mx.bfloat16,) for K in (g * 4, 2048) for N in (1, 33, 8200)]
+    combos += [(mx.float16, mx.float16, 1, 2048, 8192, 4, 64), (mx.float32, mx.float32, 1, 2048, 8192, 8, 32)]
+    for c in combos:
+        inst = instance(*c)
+        key = (inst.template, tuple(d for d, _ in inst.inputs))
+        if key not in seen:
+            seen.add(key)
+            out.append(inst)
+    return out
+
+
+SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases"), output_names=("y",),
+    template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode)",
+    instances=_instances,
+))
+
+
+def _dispatch(x, w, scales, biases, *, group_size: int, bits: int):
+    from . import backend
+
+    return qmv(x, w, scales, biases, group_size=group_size, bits=bits, backend=backend())
+
+
+register_kernel("qmv", SPEC.description, _dispatch)

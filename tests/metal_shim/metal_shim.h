@@ -1,0 +1,292 @@
+// A small C++ stand-in for the Metal Shading Language, enough for lily_mlx's kernels.
+//
+// Default: declarations for `g++ -std=c++17 -fsyntax-only` (no Apple GPU exists in CI): address
+// spaces are empty macros, vectors and half/bfloat are plain structs, simd/barrier calls type-check.
+// With METAL_SHIM_SIM defined (-std=c++20): a SIMT emulator, one std::thread per GPU thread,
+// threadgroups run one after another, simdgroups of 32 exchange values through a barrier, and
+// `threadgroup` arrays become function statics (shared by the running threadgroup's threads).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#ifdef METAL_SHIM_SIM
+#include <barrier>
+#include <functional>
+#include <thread>
+#include <vector>
+using metal_sim_os_thread = std::thread;  // named before `thread` becomes an empty macro
+#endif
+
+// Standard headers come first: `thread` and friends are empty macros from here on.
+#define device
+#define constant
+#define thread
+#ifdef METAL_SHIM_SIM
+#define threadgroup static
+#else
+#define threadgroup
+#endif
+
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+typedef _Float16 half;
+
+struct bfloat {
+  uint16_t bits;
+  bfloat() = default;
+  bfloat(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = static_cast<uint16_t>((u >> 16) | 0x40u);  // keep NaN a NaN
+    } else {
+      bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+    }
+  }
+  operator float() const {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+typedef bfloat bfloat16_t;
+typedef half float16_t;
+
+template <typename T, int N>
+struct vec;
+
+#define METAL_SHIM_VEC_OPS(N)                                                        \
+  T& operator[](int i) { return (&x)[i]; }                                           \
+  const T& operator[](int i) const { return (&x)[i]; }                               \
+  friend vec operator+(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] += b[i]; return a; } \
+  friend vec operator-(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] -= b[i]; return a; } \
+  friend vec operator*(vec a, const vec& b) { for (int i = 0; i < N; ++i) a[i] *= b[i]; return a; } \
+  friend vec operator*(vec a, T s) { for (int i = 0; i < N; ++i) a[i] *= s; return a; }             \
+  vec& operator+=(const vec& b) { for (int i = 0; i < N; ++i) (*this)[i] += b[i]; return *this; }
+
+template <typename T>
+struct vec<T, 2> {
+  T x, y;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s) {}
+  vec(T a, T b) : x(a), y(b) {}
+  METAL_SHIM_VEC_OPS(2)
+};
+template <typename T>
+struct vec<T, 3> {
+  T x, y, z;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s), z(s) {}
+  vec(T a, T b, T c) : x(a), y(b), z(c) {}
+  METAL_SHIM_VEC_OPS(3)
+};
+template <typename T>
+struct vec<T, 4> {
+  T x, y, z, w;
+  vec() = default;
+  explicit vec(T s) : x(s), y(s), z(s), w(s) {}
+  vec(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  METAL_SHIM_VEC_OPS(4)
+};
+
+#define METAL_SHIM_VEC_TYPES(T, name) \
+  typedef vec<T, 2> name##2;          \
+  typedef vec<T, 3> name##3;          \
+  typedef vec<T, 4> name##4;
+METAL_SHIM_VEC_TYPES(float, float)
+METAL_SHIM_VEC_TYPES(half, half)
+METAL_SHIM_VEC_TYPES(bfloat, bfloat)
+METAL_SHIM_VEC_TYPES(int, int)
+METAL_SHIM_VEC_TYPES(uint, uint)
+METAL_SHIM_VEC_TYPES(short, short)
+METAL_SHIM_VEC_TYPES(ushort, ushort)
+METAL_SHIM_VEC_TYPES(uchar, uchar)
+
+template <typename To, typename From>
+inline To as_type(const From& v) {
+  static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
+  To r;
+  std::memcpy(&r, &v, sizeof(To));
+  return r;
+}
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline mem_flags operator|(mem_flags a, mem_flags b) {
+  return static_cast<mem_flags>(static_cast<int>(a) | static_cast<int>(b));
+}
+
+namespace metal {
+using std::abs;
+using std::ceil;
+using std::cos;
+using std::exp;
+using std::exp2;
+using std::floor;
+using std::fma;
+using std::isinf;
+using std::isnan;
+using std::log;
+using std::log2;
+using std::pow;
+using std::sin;
+using std::sqrt;
+using std::tanh;
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+template <typename T> inline T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
+inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
+inline float fast_exp(float v) { return std::exp(v); }
+namespace precise {
+using std::exp;
+using std::sqrt;
+inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
+}  // namespace precise
+namespace fast {
+using std::exp;
+using std::sqrt;
+inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
+}  // namespace fast
+}  // namespace metal
+using namespace metal;
+
+#ifndef METAL_SHIM_SIM
+
+template <typename T> T simd_sum(T v) { return v; }
+template <typename T> T simd_max(T v) { return v; }
+template <typename T> T simd_min(T v) { return v; }
+template <typename T> T simd_shuffle_xor(T v, ushort) { return v; }
+template <typename T> T simd_shuffle(T v, ushort) { return v; }
+template <typename T> T simd_broadcast(T v, ushort) { return v; }
+inline void threadgroup_barrier(mem_flags) {}
+inline void simdgroup_barrier(mem_flags) {}
+
+#else  // the emulator
+
+namespace metal_sim {
+
+struct Simdgroup {
+  explicit Simdgroup(int n) : bar(n) {}
+  std::barrier<> bar;
+  alignas(8) unsigned char slot[32][8];
+};
+
+struct Thread {
+  int lane = 0;
+  Simdgroup* simd = nullptr;
+  std::barrier<>* group = nullptr;
+};
+inline thread_local Thread self;
+
+// Every lane publishes its value, all wait, each reads what it needs, all wait again.
+template <typename T, typename F>
+T exchange(T v, F&& combine) {
+  static_assert(sizeof(T) <= 8, "simd exchange of a value over 8 bytes");
+  std::memcpy(self.simd->slot[self.lane], &v, sizeof(T));
+  self.simd->bar.arrive_and_wait();
+  T r = combine();
+  self.simd->bar.arrive_and_wait();
+  return r;
+}
+template <typename T>
+T lane_value(int lane) {
+  T r;
+  std::memcpy(&r, self.simd->slot[lane], sizeof(T));
+  return r;
+}
+
+// Values a kernel may ask for by attribute name; uint3 members index x, y, z.
+struct Ids {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
+  uint3 threadgroups_per_grid, threads_per_threadgroup, threads_per_grid, grid_size;
+  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup;
+  uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
+};
+
+// Runs fn for every thread of a dispatch_threads(grid, group) launch.
+inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)>& fn) {
+  const uint3 groups((grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y,
+                     (grid.z + group.z - 1) / group.z);
+  const int n = static_cast<int>(group.x * group.y * group.z);
+  const int nsimd = (n + 31) / 32;
+  for (uint gz = 0; gz < groups.z; ++gz)
+    for (uint gy = 0; gy < groups.y; ++gy)
+      for (uint gx = 0; gx < groups.x; ++gx) {
+        std::barrier<> bar(n);
+        std::vector<Simdgroup*> simds;
+        for (int s = 0; s < nsimd; ++s) simds.push_back(new Simdgroup(std::min(32, n - 32 * s)));
+        std::vector<metal_sim_os_thread> threads;
+        for (int t = 0; t < n; ++t) {
+          threads.emplace_back([&, t] {
+            Ids ids;
+            const uint3 local(t % group.x, (t / group.x) % group.y, t / (group.x * group.y));
+            ids.thread_position_in_threadgroup = local;
+            ids.threadgroup_position_in_grid = uint3(gx, gy, gz);
+            ids.thread_position_in_grid =
+                uint3(gx * group.x + local.x, gy * group.y + local.y, gz * group.z + local.z);
+            ids.threadgroups_per_grid = groups;
+            ids.threads_per_threadgroup = group;
+            ids.threads_per_grid = grid;
+            ids.grid_size = grid;
+            ids.thread_index_in_threadgroup = t;
+            ids.thread_index_in_simdgroup = t % 32;
+            ids.simdgroup_index_in_threadgroup = t / 32;
+            ids.simdgroups_per_threadgroup = nsimd;
+            ids.threads_per_simdgroup = 32;
+            ids.thread_execution_width = 32;
+            self.lane = t % 32;
+            self.simd = simds[t / 32];
+            self.group = &bar;
+            fn(ids);
+          });
+        }
+        for (auto& th : threads) th.join();
+        for (auto* s : simds) delete s;
+      }
+}
+
+}  // namespace metal_sim
+
+template <typename T>
+T simd_sum(T v) {
+  return metal_sim::exchange(v, [] {
+    T acc = metal_sim::lane_value<T>(0);
+    for (int l = 1; l < 32; ++l) acc = acc + metal_sim::lane_value<T>(l);
+    return acc;
+  });
+}
+template <typename T>
+T simd_max(T v) {
+  return metal_sim::exchange(v, [] {
+    T acc = metal_sim::lane_value<T>(0);
+    for (int l = 1; l < 32; ++l) acc = metal::max(acc, metal_sim::lane_value<T>(l));
+    return acc;
+  });
+}
+template <typename T>
+T simd_min(T v) {
+  return metal_sim::exchange(v, [] {
+    T acc = metal_sim::lane_value<T>(0);
+    for (int l = 1; l < 32; ++l) acc = metal::min(acc, metal_sim::lane_value<T>(l));
+    return acc;
+  });
+}
+template <typename T>
+T simd_shuffle_xor(T v, ushort mask) {
+  return metal_sim::exchange(v, [mask] { return metal_sim::lane_value<T>(metal_sim::self.lane ^ mask); });
+}
+template <typename T>
+T simd_shuffle(T v, ushort lane) {
+  return metal_sim::exchange(v, [lane] { return metal_sim::lane_value<T>(lane); });
+}
+template <typename T>
+T simd_broadcast(T v, ushort lane) {
+  return simd_shuffle(v, lane);
+}
+inline void threadgroup_barrier(mem_flags) { metal_sim::self.group->arrive_and_wait(); }
+inline void simdgroup_barrier(mem_flags) { metal_sim::self.simd->bar.arrive_and_wait(); }
+
+#endif
