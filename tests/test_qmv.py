@@ -1,0 +1,129 @@
+"""qmv (fused affine dequant GEMV) against the float32 oracle; dispatcher fallback on CPU and when off."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+
+import lily_mlx.ops as ops
+from lily_mlx.ops import qmv, reference
+
+# (M, K as a multiple of the group or 2048, N): N=1 (shared-expert gate), odd N, N just past 8192.
+SHAPES = [(1, "4g", 1), (3, 2048, 33), (8, 2048, 7), (1, 2048, 8200), (3, "4g", 8200)]
+CASES = [
+    (bits, gs, dt, M, (4 * gs if K == "4g" else K), N)
+    for (bits, gs, dt), (M, K, N) in itertools.product(
+        itertools.product((4, 8), (32, 64, 128), (mx.float32, mx.bfloat16)), SHAPES)
+]
+TOL = {mx.float32: 2e-5, mx.bfloat16: 8e-3, mx.float16: 2e-3}
+
+
+def _inputs(M, K, N, bits, gs, dt, seed, lead=()):
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    w, scales, biases = mx.quantize(mx.random.normal((N, K), key=k1) * 0.05, group_size=gs, bits=bits)
+    x = mx.random.normal((*lead, M, K), key=k2).astype(dt)
+    return x, w, scales, biases
+
+
+def _oracle(x, w, scales, biases, gs, bits):
+    # On the CPU in float32 (no TF32), with the scales upcast exactly: the kernel keeps w = s*q + b in float32.
+    with mx.stream(mx.cpu):
+        y = reference.quantized_matmul_oracle(x.astype(mx.float32), w, scales.astype(mx.float32),
+                                              biases.astype(mx.float32), group_size=gs, bits=bits)
+        return mx.array(y)
+
+
+def _check(backend, bits, gs, dt, M, K, N, seed=0, lead=()):
+    x, w, scales, biases = _inputs(M, K, N, bits, gs, dt, seed, lead)
+    y = qmv.qmv(x, w, scales, biases, group_size=gs, bits=bits, backend=backend, init_value=float("nan"))
+    assert y is not None, f"qmv declined bits={bits} group={gs} M={M} K={K} N={N}"
+    assert y.shape == (*lead, M, N) and y.dtype == dt
+    ref = _oracle(x, w, scales, biases, gs, bits)
+    yf = y.astype(mx.float32)
+    assert not mx.isnan(yf).any().item(), "unwritten (NaN) outputs"
+    err = (mx.linalg.norm(yf - ref) / mx.linalg.norm(ref)).item()
+    assert err < TOL[dt], f"relative error {err:.2e} >= {TOL[dt]} (bits={bits} group={gs} {dt} M={M} K={K} N={N})"
+
+
+def _id(c):
+    bits, gs, dt, M, K, N = c
+    return f"b{bits}-g{gs}-{str(dt).split('.')[-1]}-M{M}-K{K}-N{N}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_qmv_cuda(case):
+    _check("cuda", *case)
+
+
+@pytest.mark.cuda
+def test_qmv_cuda_model_shapes_and_dispatch():
+    _check("cuda", 4, 64, mx.bfloat16, 1, 2048, 248320)  # lm_head
+    _check("cuda", 4, 64, mx.float16, 2, 4096, 2048)
+    _check("cuda", 4, 64, mx.bfloat16, 1, 512, 2048, lead=(2,))  # [2, 1, K] input
+    x, w, s, b = _inputs(1, 2048, 8192, 4, 64, mx.bfloat16, 3)
+    via_ops = ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+    direct = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
+    assert mx.array_equal(via_ops, direct).item(), "ops.quantized_matmul did not take the qmv kernel"
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_qmv_metal(case):
+    _check("metal", *case)
+
+
+@pytest.mark.metal
+def test_qmv_metal_model_shapes():
+    _check("metal", 4, 64, mx.bfloat16, 1, 2048, 248320)
+    _check("metal", 4, 64, mx.float16, 2, 4096, 2048)
+
+
+def _raising_kernel(*args, **kwargs):
+    raise AssertionError("the qmv kernel ran where the reference should")
+
+
+def test_dispatcher_falls_back_on_cpu(monkeypatch):
+    monkeypatch.setitem(ops._kernels, "qmv", _raising_kernel)
+    with mx.stream(mx.cpu):
+        x, w, s, b = _inputs(1, 256, 9, 4, 64, mx.float32, 1)
+        y = ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+        ref = reference.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+        assert mx.allclose(y, ref).item()
+
+
+def test_dispatcher_skips_switched_off_kernel(monkeypatch):
+    monkeypatch.setitem(ops._kernels, "qmv", _raising_kernel)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    x, w, s, b = _inputs(1, 256, 9, 4, 64, mx.float32, 1)
+    with ops.disabled("qmv"):
+        y = ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+    assert mx.allclose(y, reference.quantized_matmul(x, w, s, b, group_size=64, bits=4)).item()
+    assert ops.enabled("qmv")
+    with pytest.raises(AssertionError, match="kernel ran"):
+        ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+
+
+def test_unsupported_arguments_are_declined():
+    x, w, s, b = _inputs(1, 256, 9, 4, 64, mx.float32, 1)
+    assert qmv.unsupported(x, w, s, b, 64, 4) is None
+    assert "bits" in qmv.unsupported(x, w, s, b, 64, 2)
+    assert "group_size" in qmv.unsupported(x, w, s, b, 16, 4)
+    assert "rows" in qmv.unsupported(mx.zeros((9, 256)), w, s, b, 64, 4)
+    assert qmv.unsupported(x, w, s, None, 64, 4) is not None
+    assert qmv.unsupported(mx.zeros((1, 128)), w, s, b, 64, 4) == "shapes"
+    assert qmv.qmv(mx.zeros((9, 256)), w, s, b, group_size=64, bits=4, backend="cuda") is None
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("K,N,bits", [(512, 2048, 4), (2048, 8192, 4), (2048, 1, 8), (4096, 2048, 4), (768, 33, 8)])
+def test_plan_respects_kernel_limits(M, K, N, bits):
+    p = qmv.plan(M, K, N, bits)
+    cpc = 128 // bits
+    assert (K // cpc) % p["LANES"] == 0 and 32 % p["LANES"] == 0
+    assert M * p["LANES"] * cpc <= qmv.XBUDGET
+    rows_block = p["WARPS"] * (32 // p["LANES"]) * p["RPS"]
+    assert 1 <= p["blocks"] <= min(qmv.MAX_BLOCKS, -(-N // rows_block))
