@@ -321,13 +321,14 @@ class Model(nn.Module):
             elif key.endswith(".mlp.experts.gate_up_proj"):
                 prefix = key[: -len(".experts.gate_up_proj")]
                 mid = value.shape[-2] // 2  # [E, 2I, H], gate rows first
-                put(f"{prefix}.switch_mlp.gate_proj.weight", value[..., :mid, :], old)
-                put(f"{prefix}.switch_mlp.up_proj.weight", value[..., mid:, :], old)
+                # contiguous copies: MLX's CUDA kernels mis-read these strided views (seen on 0.32.4)
+                put(f"{prefix}.switch_mlp.gate_proj.weight", mx.contiguous(value[..., :mid, :]), old)
+                put(f"{prefix}.switch_mlp.up_proj.weight", mx.contiguous(value[..., mid:, :]), old)
             elif key.endswith(".mlp.experts.down_proj"):
                 put(key[: -len(".experts.down_proj")] + ".switch_mlp.down_proj.weight", value, old)
             else:
                 if key.endswith("conv1d.weight") and value.ndim == 3 and value.shape[-1] != 1:
-                    value = value.moveaxis(2, 1)  # HF [C, 1, W] -> MLX [C, W, 1]
+                    value = mx.contiguous(value.moveaxis(2, 1))  # HF [C, 1, W] -> MLX [C, W, 1]
                 if layout == "hf" and value.ndim == 1 and _ZERO_CENTRED_NORMS.search(key):
                     value = value + 1.0
                 put(key, value, old)

@@ -1,7 +1,11 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# MLX's CUDA backend runs float32 matmuls as TF32 unless told otherwise; parity tests need full float32.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

