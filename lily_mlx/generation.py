@@ -29,6 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .decode import STEP, CompiledDecoder
+
 __all__ = [
     "BatchGenerator", "BatchResponse", "GenerationResponse", "batch_generate", "generate",
     "generate_step", "make_cache", "stream_generate",
@@ -86,7 +88,11 @@ def generate_step(
     )
     history = None  # tokens seen so far, only kept when logits processors need them
 
+    decoder = None  # set once the prompt is in the cache, when the compiled decode step applies
+
     def forward(tokens, embeddings):
+        if decoder is not None:
+            return decoder(tokens[None])[:, None, :]
         if embeddings is not None:
             return model(tokens[None], cache=cache, input_embeddings=embeddings[None])
         return model(tokens[None], cache=cache)
@@ -122,22 +128,28 @@ def generate_step(
             mx.clear_cache()
 
         y, logprobs = step(prompt, input_embeddings)
+        if prompt.ndim == 1 and kv_bits is None and CompiledDecoder.applicable(model, cache):
+            decoder = CompiledDecoder(model, cache, reserve=max_tokens + 1 if max_tokens > 0 else STEP)
         mx.async_eval(y, logprobs)
         n = 0
-        while True:
-            if n != max_tokens:
-                next_y, next_logprobs = step(y)
-                mx.async_eval(next_y, next_logprobs)
-            if n == 0:
-                mx.eval(y)
-                progress(n_prompt, n_prompt)
-            if n == max_tokens:
-                break
-            yield y.item(), logprobs
-            if n % 256 == 0:
-                mx.clear_cache()
-            y, logprobs = next_y, next_logprobs
-            n += 1
+        try:
+            while True:
+                if n != max_tokens:
+                    next_y, next_logprobs = step(y)
+                    mx.async_eval(next_y, next_logprobs)
+                if n == 0:
+                    mx.eval(y)
+                    progress(n_prompt, n_prompt)
+                if n == max_tokens:
+                    break
+                yield y.item(), logprobs
+                if n % 256 == 0:
+                    mx.clear_cache()
+                y, logprobs = next_y, next_logprobs
+                n += 1
+        finally:
+            if decoder is not None:  # the caller's prompt_cache continues from where decoding stopped
+                decoder.write_back()
 
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:

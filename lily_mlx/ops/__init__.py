@@ -63,6 +63,11 @@ def register_kernel(name: str, description: str, fn: Callable) -> None:
     _kernels[name] = fn
 
 
+def register_switch(name: str, description: str) -> None:
+    """A fused path that is not a single kernel (e.g. the compiled decode step): switchable like one."""
+    KERNEL_NAMES[name] = description
+
+
 def _try(name: str, *args, **kwargs):
     fn = _kernels.get(name)
     if fn is None or not enabled(name) or backend() == "cpu":

@@ -1,0 +1,133 @@
+"""The compiled decode step: one `mx.compile`d function over fixed shapes per cache capacity.
+
+Eager MLX rebuilds the whole graph in Python for every token (thousands of primitives for 40
+layers); compiled, the graph is traced once and MLX fuses its elementwise runs. Fixed shapes need a
+fixed-capacity KV cache: keys/values are written at `offset` into [B, Hkv, capacity, D] buffers and
+attention masks the unwritten tail, so the traced graph is the same at every step. When the
+capacity is reached it grows by `STEP` tokens (one retrace). DeltaNet states are fixed-size already.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from . import ops
+
+STEP = 256
+ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
+
+
+class _StaticKV:
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
+
+    def update_and_fetch(self, k: mx.array, v: mx.array):
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, **_) -> mx.array:
+        pos = self.offset + mx.arange(N)[:, None]  # [N, 1]: each query's absolute position
+        return mx.arange(self.keys.shape[2])[None, :] <= pos  # [N, capacity]
+
+
+class _StaticState:
+    lengths = None
+
+    def __init__(self, conv: mx.array, state: mx.array):
+        self.cache = [conv, state]
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def advance(self, n):
+        pass
+
+    def make_mask(self, N):
+        return None
+
+
+class CompiledDecoder:
+    """Decode steps of a lily_mlx Model from a prefilled cache (plain KVCache / ArraysCache, batch B).
+
+    `decoder(tokens [B, 1]) -> logits [B, V]` advances the cache by one token; `write_back()` puts the
+    state into the original cache objects (which then continue as usual).
+    """
+
+    def __init__(self, model, cache: List[Any], reserve: int = STEP):
+        self.model, self.cache = model, cache
+        self.kv_index = [i for i, c in enumerate(cache) if isinstance(c, KVCache)]
+        self.state_index = [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
+        self.offset = cache[self.kv_index[0]].offset if self.kv_index else 0
+        capacity = _round_up(self.offset + reserve)
+        self.kv = []
+        for i in self.kv_index:
+            c = cache[i]
+            k, v = c.keys[..., : self.offset, :], c.values[..., : self.offset, :]
+            self.kv.append((_pad_to(k, capacity), _pad_to(v, capacity)))
+        self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
+        self._fn = mx.compile(self._step)
+
+    @staticmethod
+    def applicable(model, cache: List[Any]) -> bool:
+        from .model import Model
+
+        if not isinstance(model, Model) or not ops.enabled("compiled_decode"):
+            return False
+        kinds_ok = all(type(c) is KVCache or type(c) is ArraysCache for c in cache)
+        states_ready = all(c[0] is not None and c[1] is not None for c in cache if type(c) is ArraysCache)
+        kv_ready = all(c.keys is not None for c in cache if type(c) is KVCache)
+        return kinds_ok and states_ready and kv_ready and all(c.lengths is None for c in cache if type(c) is ArraysCache)
+
+    def _step(self, tokens, offset, *flat):
+        shims: List[Any] = [None] * len(self.cache)
+        n_kv = len(self.kv_index)
+        for j, i in enumerate(self.kv_index):
+            shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset)
+        for j, i in enumerate(self.state_index):
+            shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
+        logits = self.model(tokens, cache=shims)[:, -1, :]
+        out = [logits]
+        for i in self.kv_index:
+            out += [shims[i].keys, shims[i].values]
+        for i in self.state_index:
+            out += [shims[i][0], shims[i][1]]
+        return tuple(out)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
+            capacity = _round_up(self.offset + tokens.shape[1] + STEP)
+            self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
+        flat = [a for pair in self.kv for a in pair] + [a for pair in self.states for a in pair]
+        out = self._fn(tokens, mx.array(self.offset, dtype=mx.int32), *flat)
+        n_kv = len(self.kv)
+        self.kv = [(out[1 + 2 * j], out[2 + 2 * j]) for j in range(n_kv)]
+        self.states = [(out[1 + 2 * n_kv + 2 * j], out[2 + 2 * n_kv + 2 * j]) for j in range(len(self.states))]
+        self.offset += tokens.shape[1]
+        return out[0]
+
+    def write_back(self) -> None:
+        for (k, v), i in zip(self.kv, self.kv_index):
+            c = self.cache[i]
+            c.keys, c.values, c.offset = k, v, self.offset
+        for (conv, state), i in zip(self.states, self.state_index):
+            self.cache[i][0], self.cache[i][1] = conv, state
+
+
+def _round_up(n: int) -> int:
+    return -(-n // STEP) * STEP
+
+
+def _pad_to(x: mx.array, capacity: int) -> mx.array:
+    """[B, H, T, D] -> [B, H, capacity, D], zeros after T."""
+    extra = capacity - x.shape[2]
+    if extra <= 0:
+        return x
+    return mx.concatenate([x, mx.zeros((*x.shape[:2], extra, x.shape[3]), dtype=x.dtype)], axis=2)
