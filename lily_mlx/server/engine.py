@@ -1,0 +1,458 @@
+"""The one engine loop: a thread that owns the model and batches every running request.
+
+Each iteration reaps cancelled / timed-out work, runs one prefill chunk of the request at the head
+of the queue (batch 1, resuming from the prefix cache), then one decode step of all running
+sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and ArraysCache
+(DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice.
+A failing request is answered with an error and dropped; if the loop itself fails, every open
+request gets an error and `on_death` is called (the server then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_logits_processors,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
+
+from .metrics import Metrics
+from .output import ChoiceOutput, Delta, TokenLogprob
+from .prefix_cache import PrefixCache, restore, snapshot
+from .schema import APIError, SamplingParams
+
+log = logging.getLogger("lily_mlx.server")
+
+
+class QueueFull(APIError):
+    status, type = 429, "rate_limit_error"
+
+
+class Unavailable(APIError):
+    status, type = 503, "server_error"
+
+
+class Timeout(APIError):
+    status, type = 504, "timeout_error"
+
+
+class Request:
+    """One API request as the engine sees it. Events reach `sink` in batches, from the engine thread:
+    ("prompt", prompt_index, cached_tokens), ("delta", choice, Delta),
+    ("finish", choice, finish_reason, Delta, completion_tokens), ("error", APIError)."""
+
+    def __init__(self, prompts: list[list[int]], snap_positions: list[list[int]], max_new: list[int],
+                 params: SamplingParams, outputs: list[ChoiceOutput], sink: Callable[[list], None], timeout: float):
+        if len(outputs) != len(prompts) * params.n:
+            raise ValueError(f"{len(outputs)} outputs for {len(prompts)} prompts x n={params.n}")
+        self.id = uuid.uuid4().hex
+        self.prompts, self.snap_positions, self.max_new = prompts, snap_positions, max_new
+        self.params, self.outputs, self.sink = params, outputs, sink
+        self.created = time.monotonic()
+        self.deadline = self.created + timeout
+        self.cancelled = False  # set by the HTTP side when the client goes away
+        self.finished = False  # set by the engine: every choice done, or failed
+        self.first_token_at: Optional[float] = None
+        self._open = len(outputs)
+        self._events: list = []
+
+    def push(self, event: tuple) -> None:
+        self._events.append(event)
+
+    def flush(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            try:
+                self.sink(events)
+            except Exception:  # the HTTP side is gone (its loop closed); nothing left to tell
+                self.cancelled = True
+
+    def choice_done(self) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self.finished = True
+
+    def fail(self, error: APIError) -> None:
+        if not self.finished:
+            self.finished = True
+            self._events.append(("error", error))
+            self.flush()
+
+
+@dataclass
+class Job:
+    """One prompt of a request: prefilled once at batch 1, then forked into n decode rows."""
+
+    req: Request
+    index: int
+    tokens: list[int]
+    snaps: list[int]  # positions (< len(tokens)) to snapshot into the prefix cache
+    cache: Optional[list] = None
+    pos: int = 0
+
+
+@dataclass
+class Row:
+    req: Request
+    choice: int
+    prompt: list[int]
+    out: ChoiceOutput
+    last: int
+    max_new: int
+    key: mx.array
+    sampler: Optional[Callable]
+    processors: list
+    generated: list[int] = field(default_factory=list)
+
+
+def make_row_sampler(p: SamplingParams) -> Optional[Callable]:
+    """mlx-lm's filters (top_p, min_p, top_k, in make_sampler's order) and a categorical draw with the row's
+    own key, so a seeded request is reproducible whatever else is in the batch. None means greedy."""
+    if p.greedy:
+        return None
+    filters = []
+    if 0 < p.top_p < 1:
+        filters.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p > 0:
+        filters.append(lambda x: apply_min_p(x, p.min_p))
+    if p.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, p.top_k))
+    inv_temp = 1.0 / p.temperature
+
+    def sample(logprobs: mx.array, key: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * inv_temp, key=key)
+
+    return sample
+
+
+def make_processors(p: SamplingParams, max_new: int) -> list[tuple[Callable, Optional[int]]]:
+    """(processor, context) pairs: context None = the generated tokens (OpenAI's presence/frequency
+    semantics), an int = that many last tokens of prompt + output (mlx-lm's repetition penalty)."""
+    procs: list[tuple[Callable, Optional[int]]] = []
+    if p.logit_bias:
+        procs.append((make_logits_processors(logit_bias=p.logit_bias)[0], None))
+    if p.repetition_penalty != 1.0:
+        procs.append((make_repetition_penalty(p.repetition_penalty, p.repetition_context_size), p.repetition_context_size))
+    if p.presence_penalty:
+        procs.append((make_presence_penalty(p.presence_penalty, max_new), None))
+    if p.frequency_penalty:
+        procs.append((make_frequency_penalty(p.frequency_penalty, max_new), None))
+    return procs
+
+
+class Engine:
+    def __init__(self, loader: Callable[[], tuple[Any, Any]], *, max_batch: int = 32, max_queue: int = 64,
+                 prefill_step: int = 512, prefix_cache: Optional[PrefixCache] = None,
+                 metrics: Optional[Metrics] = None, on_death: Optional[Callable[[BaseException], None]] = None):
+        if max_batch < 1 or max_queue < 0 or prefill_step < 1:
+            raise ValueError(f"max_batch={max_batch}, max_queue={max_queue}, prefill_step={prefill_step}: out of range")
+        self.loader = loader
+        self.max_batch, self.max_queue, self.prefill_step = max_batch, max_queue, prefill_step
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
+        self.metrics = metrics or Metrics()
+        self.on_death = on_death
+        self.model = self.tokenizer = None
+        self.vocab_size = 0
+        self.ready = threading.Event()
+        self.dead: Optional[BaseException] = None
+        self.draining = False
+        self._cv = threading.Condition()
+        self._incoming: deque[Request] = deque()
+        self._jobs: deque[Job] = deque()
+        self._prefill: Optional[Job] = None
+        self._rows: list[Row] = []
+        self._cache: Optional[list] = None
+        self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self.dead is not None:
+                raise Unavailable("the engine has stopped after an internal error", code="engine_dead")
+            if self.draining or self._stop:
+                raise Unavailable("the server is shutting down and accepts no new requests", code="draining")
+            if not self.ready.is_set():
+                raise Unavailable("the model is still loading", code="loading")
+            queued = len(self._incoming) + len({id(j.req) for j in self._jobs})
+            if queued >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({queued} waiting, --max-queue {self.max_queue}); retry later", code="queue_full")
+            self._incoming.append(req)
+            self._cv.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._incoming or self._jobs or self._prefill or self._rows)
+
+    def drain(self) -> None:
+        """Refuse new requests; those already accepted run to completion."""
+        with self._cv:
+            self.draining = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop; whatever is still open is answered with a 503 error."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.model, self.tokenizer = self.loader()
+            cfg = getattr(self.model, "config", None)
+            self.vocab_size = getattr(cfg, "vocab_size", None) or len(self.tokenizer)
+            self.eos = set(self.tokenizer.eos_token_ids)
+            self.ready.set()
+            log.info("model ready (vocab %d)", self.vocab_size)
+            while self._iteration():
+                pass
+            self._abort_all(Unavailable("the server shut down before this request finished", code="shutdown"))
+        except BaseException as e:  # the loop itself failed: tell everyone, then let the process exit non-zero
+            log.critical("engine loop died: %s: %s", type(e).__name__, e, exc_info=True)
+            with self._cv:
+                self.dead = e
+            self._abort_all(Unavailable(f"the engine stopped after an internal error ({type(e).__name__})", code="engine_dead"))
+            if self.on_death is not None:
+                self.on_death(e)
+
+    def _iteration(self) -> bool:
+        with self._cv:
+            while not (self._incoming or self._jobs or self._prefill or self._rows or self._stop):
+                self._cv.wait()
+            if self._stop:
+                return False
+            new = list(self._incoming)
+            self._incoming.clear()
+        for req in new:
+            self._live[req.id] = req
+            self._jobs.extend(Job(req, i, toks, snaps) for i, (toks, snaps) in enumerate(zip(req.prompts, req.snap_positions)))
+        self._reap()
+        self._prefill_chunk()
+        self._decode_step()
+        m = self.metrics
+        m.queue_depth.set(len({id(j.req) for j in self._jobs}))
+        m.running.set(len(self._rows))
+        m.cache_bytes.set(self.prefix_cache.bytes)
+        m.cache_entries.set(len(self.prefix_cache))
+        return True
+
+    def _reap(self) -> None:
+        """Drop the work of requests that were cancelled, failed or ran past their deadline."""
+        now = time.monotonic()
+        for req in self._live.values():
+            if not req.finished and not req.cancelled and now > req.deadline:
+                req.fail(Timeout("the request ran past the server's --request-timeout", code="request_timeout"))
+                log.warning("request %s timed out", req.id)
+        gone = lambda r: r.finished or r.cancelled  # noqa: E731
+        self._live = {k: r for k, r in self._live.items() if not gone(r)}
+        self._jobs = deque(j for j in self._jobs if not gone(j.req))
+        if self._prefill is not None and gone(self._prefill.req):
+            self._prefill = None
+        self._filter_rows([i for i, r in enumerate(self._rows) if not gone(r.req)])
+
+    def _filter_rows(self, keep: list[int]) -> None:
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache = None
+            return
+        for c in self._cache:
+            c.filter(keep)
+
+    def _abort_all(self, error: APIError) -> None:
+        with self._cv:
+            reqs = list(self._incoming)
+            self._incoming.clear()
+        for req in reqs + list(self._live.values()):
+            req.fail(error)
+        self._live.clear()
+        self._jobs.clear()
+        self._rows, self._cache, self._prefill = [], None, None
+
+    def _start_job(self) -> None:
+        while self._jobs and self._prefill is None:
+            job = self._jobs[0]
+            if len(self._rows) + job.req.params.n > self.max_batch:
+                return  # wait for rows to free up
+            self._jobs.popleft()
+            snap = self.prefix_cache.lookup(job.tokens, job.snaps)
+            if self.prefix_cache.enabled:
+                self.metrics.cache_lookups.labels("hit" if snap else "miss").inc()
+            if snap is not None:
+                job.cache, job.pos = restore(snap.layers, snap.length), snap.length
+                self.metrics.cached_tokens.inc(snap.length)
+            else:
+                job.cache = self.model.make_cache()
+            self.metrics.prompt_tokens.inc(len(job.tokens))
+            job.req.push(("prompt", job.index, job.pos))
+            job.req.flush()
+            if job.pos == len(job.tokens) - 1:
+                self._add_rows(job)
+            else:
+                self._prefill = job
+
+    def _prefill_chunk(self) -> None:
+        """Up to prefill_step tokens of the head job, stopping at snapshot positions and multiples of the step
+        (a fixed split, so a prompt resumed from a snapshot computes exactly what a full prefill would)."""
+        self._start_job()
+        job = self._prefill
+        if job is None:
+            return
+        end = len(job.tokens) - 1  # the last prompt token is the first decode input
+        target = min([end, (job.pos // self.prefill_step + 1) * self.prefill_step] + [s for s in job.snaps if s > job.pos])
+        try:
+            self.model(mx.array(job.tokens[job.pos:target])[None], cache=job.cache)
+            mx.eval([c.state for c in job.cache])
+            job.pos = target
+            if target in job.snaps and not self.prefix_cache.contains(job.tokens, target):
+                self.prefix_cache.insert(job.tokens, target, snapshot(job.cache, target))
+        except Exception as e:
+            log.exception("prefill of request %s failed", job.req.id)
+            job.req.fail(APIError(f"prefill failed: {type(e).__name__}: {e}", code="prefill_failed"))
+            self._prefill = None
+            return
+        if job.pos == end:
+            self._prefill = None
+            self._add_rows(job)
+
+    def _add_rows(self, job: Job) -> None:
+        req, n = job.req, job.req.params.n
+        new = [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in job.cache]
+        if self._cache is None:
+            self._cache = new
+        else:
+            for a, b in zip(self._cache, new):
+                a.extend(b)
+        p = req.params
+        seed = p.seed if p.seed is not None else secrets.randbits(64)
+        keys = mx.random.split(mx.random.key(seed % 2**64), len(req.prompts) * n)
+        max_new = req.max_new[job.index]
+        for j in range(n):
+            choice = job.index * n + j
+            self._rows.append(Row(req, choice, job.tokens, req.outputs[choice], job.tokens[-1], max_new,
+                                  keys[choice], make_row_sampler(p), make_processors(p, max_new)))
+
+    def _decode_step(self) -> None:
+        rows = self._rows
+        if not rows:
+            return
+        try:
+            inputs = mx.array([[r.last] for r in rows])  # [B, 1]
+            logits = self.model(inputs, cache=self._cache)[:, -1, :].astype(mx.float32)  # [B, V]
+            logits = self._process(rows, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens = self._sample(rows, logprobs)  # [B]
+            chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+            k = max((r.req.params.top_logprobs for r in rows if r.req.params.logprobs), default=0)
+            top_i = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k else None
+            top_v = mx.take_along_axis(logprobs, top_i, axis=-1) if k else None
+            mx.eval(tokens, chosen, *([top_i, top_v] if k else []))
+        except Exception as e:  # one batched forward: no single request to blame, so the batch fails
+            log.exception("decode step failed; failing %d sequences", len(rows))
+            for r in rows:
+                r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
+            self._rows, self._cache = [], None
+            return
+        self.metrics.decode_steps.inc()
+        self.metrics.completion_tokens.inc(len(rows))
+        toks, lps = tokens.tolist(), chosen.tolist()
+        top_i, top_v = (top_i.tolist(), top_v.tolist()) if k else (None, None)
+        keep, touched = [], {}
+        now = time.monotonic()
+        for i, r in enumerate(rows):
+            touched[id(r.req)] = r.req
+            if r.req.finished:
+                continue
+            if r.req.first_token_at is None:
+                r.req.first_token_at = now
+                self.metrics.ttft.observe(now - r.req.created)
+            try:
+                lp = None
+                if r.req.params.logprobs:
+                    n_top = r.req.params.top_logprobs
+                    top = sorted(zip(top_i[i], top_v[i]), key=lambda t: -t[1])[:n_top] if n_top else []
+                    lp = TokenLogprob(toks[i], lps[i], top)
+                if self._advance(r, toks[i], lp):
+                    keep.append(i)
+            except Exception as e:
+                log.exception("output processing of request %s failed", r.req.id)
+                r.req.fail(APIError(f"output processing failed: {type(e).__name__}: {e}", code="output_failed"))
+        for req in touched.values():
+            req.flush()
+        self._filter_rows([i for i in keep if not rows[i].req.finished])
+
+    def _advance(self, r: Row, token: int, lp: Optional[TokenLogprob]) -> bool:
+        """Feed one sampled token to its row. -> whether the row keeps generating."""
+        r.generated.append(token)
+        r.last = token
+        if token in self.eos:
+            reason, delta = "stop", r.out.finish("stop")
+        else:
+            delta, stopped = r.out.feed(token, lp)
+            if stopped:
+                reason = "stop"
+                delta.extend(r.out.finish("stop_string"))
+            elif len(r.generated) >= r.max_new:
+                reason = "length"
+                delta.extend(r.out.finish("length"))
+            else:
+                if delta:
+                    r.req.push(("delta", r.choice, delta))
+                return True
+        if reason == "stop" and r.out.made_tool_call:
+            reason = "tool_calls"
+        r.req.push(("finish", r.choice, reason, delta, len(r.generated)))
+        r.req.choice_done()
+        return False
+
+    def _process(self, rows: list[Row], logits: mx.array) -> mx.array:
+        if not any(r.processors for r in rows):
+            return logits
+        out = []
+        for i, r in enumerate(rows):
+            row = logits[i: i + 1]
+            for proc, context in r.processors:
+                ctx = r.generated if context is None else (r.prompt + r.generated)[-context:]
+                row = proc(mx.array(ctx, dtype=mx.int32), row)
+            out.append(row)
+        return mx.concatenate(out, axis=0)
+
+    def _sample(self, rows: list[Row], logprobs: mx.array) -> mx.array:
+        tokens = mx.argmax(logprobs, axis=-1)
+        sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
+        if sampled:
+            picks = []
+            for i in sampled:
+                r = rows[i]
+                r.key, sub = mx.random.split(r.key)
+                picks.append(r.sampler(logprobs[i: i + 1], sub))
+            tokens[mx.array(sampled)] = mx.concatenate(picks).astype(tokens.dtype)
+        return tokens

@@ -1,0 +1,613 @@
+"""The OpenAI-compatible server, end to end: real server processes on 127.0.0.1, the openai client
+(max_retries=0) and raw HTTP. Two servers start in parallel: `main` (auth, batch 64, small limits) and
+`aux` (batch 1, queue 1, no prefix cache, short request timeout; SIGTERM-ed by the last test that uses it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server_fixtures import build_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+VOCAB = 512
+MAIN_FLAGS = ["--api-key", KEY, "--max-batch", "64", "--max-queue", "64", "--max-body-bytes", "65536",
+              "--read-timeout", "1", "--max-context", "1024", "--max-tokens-limit", "512"]
+AUX_FLAGS = ["--max-batch", "1", "--max-queue", "1", "--request-timeout", "4", "--prefix-cache-bytes", "0",
+             "--max-context", "4096", "--max-tokens-limit", "4000", "--drain-timeout", "20"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, flags: list[str]):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        cmd = [sys.executable, "-m", "lily_mlx.server", "--model", str(model_dir), "--served-model-name", "tiny",
+               "--port", str(self.port), "--log-level", "warning", *flags]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log_path.read_text()}")
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("serve_logs")
+    procs = {name: ServerProcess(tiny_dir, logs / f"{name}.log", flags)
+             for name, flags in (("main", MAIN_FLAGS), ("aux", AUX_FLAGS))}
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def main(servers):
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def aux(servers):
+    return servers["aux"]
+
+
+CHAT_OK = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+COMPLETION_OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+def _assert_error(r: httpx.Response, status: int, param=None, code=None, where=""):
+    assert r.status_code == status, f"{where}: expected {status}, got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, f"{where}: {err}"
+    assert isinstance(err["message"], str) and err["message"], where
+    if param is not None:
+        assert err["param"] == param, f"{where}: param {err['param']!r} != {param!r} ({err['message']})"
+    if code is not None:
+        assert err["code"] == code, f"{where}: code {err['code']!r} != {code!r}"
+    return err
+
+
+def _assert_healthy(c: httpx.Client, where=""):
+    r = c.post("/v1/chat/completions", json=CHAT_OK)
+    assert r.status_code == 200, f"after {where}: {r.text}"
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert c.get("/health").json()["status"] == "ok", f"after {where}"
+
+
+def _raw(port: int, data: bytes, timeout: float = 10.0, half_close: bool = False) -> tuple[int, bytes]:
+    """Send raw bytes; -> (status, body) of the response (read until the connection closes or the body is complete)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        buf = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+            head, sep, body = buf.partition(b"\r\n\r\n")
+            if sep:
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), None)
+                if length is not None and len(body) >= length:
+                    break
+    status = int(buf.split(b" ", 2)[1]) if buf else 0
+    return status, buf.partition(b"\r\n\r\n")[2]
+
+
+def _bad_chat_cases():
+    def chat(**kw):
+        return {**CHAT_OK, **kw}
+
+    def msgs(m):
+        return {**CHAT_OK, "messages": m}
+
+    cases = [
+        ("invalid JSON", b'{"messages": [', 400, None),
+        ("array body", b"[1, 2]", 400, None),
+        ("string body", b'"hello"', 400, None),
+        ("null body", b"null", 400, None),
+        ("empty body", b"", 400, None),
+        ("NaN literal", b'{"messages":[{"role":"user","content":"x"}],"temperature":NaN}', 400, None),
+        ("unknown field", chat(foo=1), 400, "foo"),
+        ("model type", chat(model=5), 400, "model"),
+        ("missing messages", {"model": "tiny"}, 400, "messages"),
+        ("empty messages", msgs([]), 400, "messages"),
+        ("messages string", msgs("hi"), 400, "messages"),
+        ("message not object", msgs([1]), 400, "messages[0]"),
+        ("message no role", msgs([{"content": "x"}]), 400, "messages[0].role"),
+        ("message bad role", msgs([{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
+        ("message no content", msgs([{"role": "user"}]), 400, "messages[0].content"),
+        ("message content int", msgs([{"role": "user", "content": 5}]), 400, "messages[0].content"),
+        ("image part", msgs([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages[0].content[0].type"),
+        ("text part without text", msgs([{"role": "user", "content": [{"type": "text"}]}]), 400, "messages[0].content[0].text"),
+        ("message extra key", msgs([{"role": "user", "content": "x", "extra": 1}]), 400, "messages[0].extra"),
+        ("tool_calls on user", msgs([{"role": "user", "content": "x", "tool_calls": []}]), 400, "messages[0].tool_calls"),
+        ("tool call bad JSON", msgs([{"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}, {"role": "user", "content": "x"}]),
+         400, "messages[0].tool_calls[0].function.arguments"),
+        ("tool call no name", msgs([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]),
+         400, "messages[0].tool_calls[0].function.name"),
+        ("unknown model", chat(model="gpt-4o"), 404, "model"),
+        ("prompt over the context", msgs([{"role": "user", "content": "hello " * 3000}]), 400, None),
+    ]
+    bad_values = {
+        "temperature": ["hot", True, -0.5, 2.5, [1]],
+        "top_p": ["x", 1.5, -0.1],
+        "top_k": [1.5, "3", -2],
+        "min_p": [[], 1.5, -1],
+        "seed": ["s", 1.5, 2**70],
+        "stop": [123, [1], [""], ["a"] * 17, {"a": 1}, True],
+        "max_tokens": ["10", 0, -1, 1.5, 100000],
+        "max_completion_tokens": [0, "x"],
+        "n": [0, 17, True, "2"],
+        "logprobs": ["yes", 1],
+        "top_logprobs": [21, -1, "x"],
+        "presence_penalty": [2.5, "x"],
+        "frequency_penalty": [-2.5, "y"],
+        "repetition_penalty": [0, -1, "x"],
+        "logit_bias": [[], {"abc": 1}, {str(VOCAB): 1}, {"99999": 5}, {"1": 500}, {"1": "x"}, {"-1": 1}],
+        "stream": ["yes", 1],
+        "tools": ["x", [1], [{"type": "function"}], [{"type": "function", "function": {"name": ""}}], [{"type": "retrieval"}]],
+        "tool_choice": ["required", "bogus", {"type": "function", "function": {"name": "f"}}],
+        "response_format": [{"type": "json_object"}, "text"],
+        "chat_template_kwargs": ["x", {"enable_thinking": "yes"}],
+    }
+    for name, values in bad_values.items():
+        for v in values:
+            body = chat(**{name: v})
+            if name == "top_logprobs":
+                body["logprobs"] = True
+            cases.append((f"{name}={v!r}"[:60], body, 400, None))
+    cases += [
+        ("top_logprobs without logprobs", chat(top_logprobs=2), 400, "top_logprobs"),
+        ("stream_options without stream", chat(stream_options={"include_usage": True}), 400, "stream_options"),
+        ("stream_options bad type", chat(stream=True, stream_options={"include_usage": "x"}), 400, "stream_options.include_usage"),
+        ("stream_options unknown key", chat(stream=True, stream_options={"foo": 1}), 400, "stream_options.foo"),
+    ]
+    return cases
+
+
+def _bad_completion_cases():
+    def comp(**kw):
+        return {**COMPLETION_OK, **kw}
+
+    return [
+        ("no prompt", {"model": "tiny"}, 400, "prompt"),
+        ("prompt int", comp(prompt=5), 400, "prompt"),
+        ("prompt empty list", comp(prompt=[]), 400, "prompt"),
+        ("prompt empty ids", comp(prompt=[[]]), 400, "prompt"),
+        ("prompt mixed", comp(prompt=[1, "a"]), 400, "prompt"),
+        ("prompt bools", comp(prompt=[True, False]), 400, "prompt"),
+        ("prompt id out of vocab", comp(prompt=[[1, 99999]]), 400, "prompt"),
+        ("prompt id = vocab", comp(prompt=[1, VOCAB]), 400, "prompt"),
+        ("prompt id negative", comp(prompt=[-1]), 400, "prompt"),
+        ("prompt empty string", comp(prompt=""), 400, "prompt"),
+        ("prompt list with empty string", comp(prompt=["a", ""]), 400, "prompt"),
+        ("too many prompts", comp(prompt=["a"] * 17), 400, "prompt"),
+        ("logprobs too many", comp(logprobs=21), 400, "logprobs"),
+        ("logprobs bool", comp(logprobs=True), 400, "logprobs"),
+        ("echo with logprobs", comp(echo=True, logprobs=1), 400, "echo"),
+        ("suffix", comp(suffix="x"), 400, "suffix"),
+        ("best_of", comp(best_of=3), 400, "best_of"),
+        ("stop wrong type", comp(stop=123), 400, "stop"),
+        ("logit_bias beyond vocab", comp(logit_bias={"600": 1}), 400, "logit_bias"),
+        ("token prompt over the context", comp(prompt=[5] * 1100), 400, None),
+        ("prompt + max_tokens over the context", comp(prompt=[5] * 700, max_tokens=400), 400, "max_tokens"),
+        ("max_tokens over the server limit", comp(max_tokens=513), 400, "max_tokens"),
+        ("unknown model", comp(model="tiny-2"), 404, "model"),
+    ]
+
+
+def test_bad_input_checklist(main):
+    failures = []
+    with main.client(headers=AUTH) as c:
+        for path, cases in (("/v1/chat/completions", _bad_chat_cases()), ("/v1/completions", _bad_completion_cases())):
+            for name, body, status, param in cases:
+                where = f"{path} {name}"
+                try:
+                    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                    r = c.post(path, content=content, headers={"content-type": "application/json"})
+                    err = _assert_error(r, status, param=param, where=where)
+                    if "context" in name:
+                        assert err["code"] == "context_length_exceeded" and "1024" in err["message"], err
+                    _assert_healthy(c, where)
+                except AssertionError as e:
+                    failures.append(str(e))
+    assert not failures, "\n".join(failures)
+
+
+def test_auth_routes_and_body_limits(main):
+    with main.client() as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            _assert_error(c.post("/v1/chat/completions", json=CHAT_OK, headers=headers), 401, code="invalid_api_key")
+        _assert_error(c.get("/v1/models"), 401)
+        assert c.get("/health").status_code == 200  # health and metrics stay open for probes
+        c.headers.update(AUTH)
+        models = c.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        _assert_error(c.get("/v1/models/nope"), 404)
+        _assert_error(c.get("/v1/nope"), 404)
+        _assert_error(c.get("/v1/chat/completions"), 405)
+        _assert_healthy(c, "routes")
+
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        # Declared body over the limit: refused from the headers alone.
+        status, body = _raw(main.port, (head + "Content-Length: 100000\r\n\r\n").encode() + b"{" * 1000)
+        assert status == 413 and "65536" in json.loads(body)["error"]["message"]
+        _assert_healthy(c, "413 content-length")
+        # Chunked body that grows past the limit.
+        chunk = b"x" * 30000
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)) + b"0\r\n\r\n"
+        status, body = _raw(main.port, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + chunked)
+        assert status == 413, body
+        _assert_healthy(c, "413 chunked")
+        # Content-Length longer than the body: answered after --read-timeout (1 s), not left hanging.
+        t0 = time.monotonic()
+        status, body = _raw(main.port, (head + "Content-Length: 200\r\n\r\n").encode() + b'{"messages": [')
+        assert status == 400 and json.loads(body)["error"]["code"] == "body_read_timeout", body
+        assert time.monotonic() - t0 < 5
+        _assert_healthy(c, "short body")
+
+
+def test_list_and_token_prompts(main):
+    with main.client(headers=AUTH) as c:
+        r = c.post("/v1/completions", json={**COMPLETION_OK, "prompt": ["Hello", "The quick"], "n": 2}).json()
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2, 3]
+        assert r["choices"][0]["text"] == r["choices"][1]["text"]  # greedy: n copies agree
+        ids = [[10, 20, 30], [40, 50]]
+        r = c.post("/v1/completions", json={**COMPLETION_OK, "prompt": ids}).json()
+        assert len(r["choices"]) == 2 and r["usage"]["prompt_tokens"] == 5
+        single = c.post("/v1/completions", json={**COMPLETION_OK, "prompt": ids[0]}).json()
+        assert single["choices"][0]["text"] == r["choices"][0]["text"]
+        echo = c.post("/v1/completions", json={**COMPLETION_OK, "prompt": "Hello", "echo": True}).json()
+        assert echo["choices"][0]["text"].startswith("Hello")
+
+
+def test_openai_client_semantics(main):
+    import openai
+
+    client = openai.OpenAI(base_url=main.url + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "Tell me about the quick brown fox."}]
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, extra_body=no_think)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert len(ch.logprobs.content) == 12 and all(len(e.top_logprobs) == 3 for e in ch.logprobs.content)
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in ch.logprobs.content)
+    text = ch.message.content
+
+    # Streaming gives the same greedy text, usage last, then [DONE] (the client stops on it).
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=no_think))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    # max_completion_tokens, a stop string cut out of the greedy text, logit_bias forcing the EOS token.
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=5, temperature=0, extra_body=no_think)
+    assert r.usage.completion_tokens == 5
+    stop = text[4:7]
+    if stop.strip() and text.find(stop) == 4:
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stop=[stop, "zzzz"], extra_body=no_think)
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text[:4]
+    eos = 2  # <|im_end|>
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, logit_bias={str(eos): 100}, extra_body=no_think)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "" and r.usage.completion_tokens == 1
+
+    # Seeded sampling is reproducible, whatever else is batched; n choices differ from each other.
+    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=1.0, top_p=0.95, seed=1234, n=3, extra_body={"top_k": 50, "min_p": 0.01, **no_think})
+    a = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    b = [c.message.content for c in client.chat.completions.create(**kw).choices]
+    assert a == b and len(set(a)) > 1
+    # A logit_bias of +8 makes greedy repeat one token; a frequency penalty of 2 per occurrence breaks the run after ~4.
+    def run_of(**kw):
+        r = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, logprobs=0, logit_bias={"300": 8}, **kw)
+        tokens = r.choices[0].logprobs.tokens
+        return tokens.count(tokens[0])
+    assert run_of() == 8
+    assert run_of(frequency_penalty=2.0) <= 5
+    assert run_of(extra_body={"repetition_penalty": 100.0}) == 1  # the biased logit is positive, so it is divided by 100
+
+    comp = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, logprobs=2)
+    assert comp.choices[0].finish_reason == "length" and len(comp.choices[0].logprobs.token_logprobs) == 6
+    assert all(len(t) <= 2 for t in comp.choices[0].logprobs.top_logprobs)
+
+
+def test_reasoning_content_and_tool_calls(main, tiny_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    from lily_mlx.server.output import ChoiceOutput
+
+    with main.client(headers=AUTH) as c:
+        # enable_thinking (the template default) opens <think> in the prompt: output is reasoning until </think> (id 4, barred here).
+        r = c.post("/v1/chat/completions", json={**CHAT_OK, "max_tokens": 8, "logit_bias": {"4": -100}}).json()
+        msg = r["choices"][0]["message"]
+        assert msg["content"] == "" and msg["reasoning_content"]
+        r = c.post("/v1/chat/completions", json={**CHAT_OK, "max_tokens": 8, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert "reasoning_content" not in r["choices"][0]["message"]
+
+    tok = load_tokenizer(tiny_dir)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    out = ChoiceOutput(tok, stops=[], chat=True, initial_state="reasoning", tools=tools)
+    text = "plan it</think>\n\nSure.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    deltas = [out.feed(t, None)[0] for t in tok.encode(text, add_special_tokens=False)] + [out.finish("stop")]
+    assert "".join(d.reasoning for d in deltas) == "plan it"
+    assert "".join(d.content for d in deltas).strip() == "Sure."
+    calls = [tc for d in deltas for tc in d.tool_calls]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and out.made_tool_call
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    from lily_mlx.server.output import StopMatcher
+
+    m = StopMatcher(["o w", "END"])
+    assert m.feed("Hel") == ("Hel", False)
+    assert m.feed("lo") == ("l", False)  # "o" may start "o w"
+    assert m.feed(" wor") == ("", True)
+    m = StopMatcher(["END"])
+    assert m.feed("abcE") == ("abc", False) and m.feed("N") == ("", False) and m.flush() == "EN"
+
+
+def _sse(lines) -> tuple[list[dict], bool]:
+    events, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+        else:
+            events.append(json.loads(data))
+    return events, done
+
+
+def _stream_text(c: httpx.Client, body: dict) -> tuple[str, str, bool]:
+    with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events, done = _sse(r.iter_lines())
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    reasons = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    return text, (reasons or [None])[-1], done
+
+
+def test_64_concurrent_streams_match_sequential(main):
+    prompts = [f"Request number {i}: tell me about {w}." for i, w in enumerate(["foxes", "dogs", "models", "weather"] * 4)]
+
+    def body(p):
+        return {"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 24, "temperature": 0,
+                "chat_template_kwargs": {"enable_thinking": False}}
+
+    with main.client(headers=AUTH) as c:
+        expected = {p: _stream_text(c, body(p)) for p in prompts}
+        steps0 = _metric(c, "lily_decode_steps_total")
+    assert all(done and reason in ("stop", "length") for _, reason, done in expected.values())
+
+    results, errors = [None] * 64, []
+
+    def client_thread(i):
+        try:
+            with main.client(headers=AUTH) as c:
+                results[i] = _stream_text(c, body(prompts[i % len(prompts)]))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(f"client {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    mismatched = [i for i in range(64) if results[i] != expected[prompts[i % len(prompts)]]]
+    assert not mismatched, f"{len(mismatched)} of 64 streams differ from the sequential run, e.g. {results[mismatched[0]]}"
+    with main.client(headers=AUTH) as c:
+        steps = _metric(c, "lily_decode_steps_total") - steps0
+    tokens = 64 * 24
+    assert steps < tokens / 4, f"{steps} decode steps for up to {tokens} tokens: requests were not batched"
+
+
+def _metric(c: httpx.Client, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_prefix_cache_multi_turn(main, aux, tiny_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    def turn(server, messages, headers):
+        with server.client(headers=headers) as c:
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0,
+                                                      "chat_template_kwargs": {"enable_thinking": False}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    msgs = [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Hello there, how are you?"}]
+    r1 = turn(main, msgs, AUTH)
+    for follow_up in ("Tell me more.", "And then what happened?"):
+        # The previous turn snapshotted the end of its last user message; this turn resumes there, so only the
+        # reply, the new user message and the generation prompt are prefilled.
+        resume = len(tok.apply_chat_template(msgs, add_generation_prompt=False, enable_thinking=False))
+        msgs = msgs + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}, {"role": "user", "content": follow_up}]
+        r2 = turn(main, msgs, AUTH)
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == resume, (resume, r2["usage"])
+        ref = turn(aux, msgs, {})  # the same request on a server without a prefix cache
+        assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert r2["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        again = turn(main, msgs, AUTH)  # the same prompt again: everything but the last token is cached
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+        assert again["choices"][0]["message"] == r2["choices"][0]["message"]
+        r1 = r2
+    with main.client() as c:
+        assert _metric(c, 'lily_prefix_cache_lookups_total{result="hit"}') >= 4
+
+
+def test_disconnect_cancels_work(aux):
+    """aux decodes one sequence at a time, so the next request can only start once the abandoned one is dropped."""
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "logit_bias": {"2": -100}}  # no EOS
+    quick = {"model": "tiny", "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    with aux.client() as c:
+        # Streaming: read a few chunks, then drop the connection.
+        with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break
+        t0 = time.monotonic()
+        assert c.post("/v1/completions", json=quick).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+    # Non-streaming: a raw request whose client goes away while it runs.
+    data = json.dumps(long).encode()
+    s = socket.create_connection(("127.0.0.1", aux.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    time.sleep(0.5)
+    s.close()
+    time.sleep(0.1)
+    with aux.client() as c:
+        t0 = time.monotonic()
+        assert c.post("/v1/completions", json=quick).status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        assert _metric(c, "lily_running_sequences") == 0
+
+
+def test_queue_full_timeout_and_error_after_headers(aux):
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "stream": True, "logit_bias": {"2": -100}}
+    lines: dict[str, list] = {"a": [], "b": []}
+
+    def stream(name):
+        with aux.client() as c, c.stream("POST", "/v1/completions", json=long) as r:
+            lines[name] = list(r.iter_lines())
+
+    ta = threading.Thread(target=stream, args=("a",))
+    ta.start()
+    time.sleep(0.5)
+    tb = threading.Thread(target=stream, args=("b",))  # waits in the queue (max-queue 1) behind a
+    tb.start()
+    time.sleep(0.3)
+    with aux.client() as c:
+        _assert_error(c.post("/v1/completions", json={**long, "stream": False}), 429, code="queue_full")
+    ta.join(20)
+    tb.join(20)
+    # --request-timeout 4: both streams end with an error event, then [DONE].
+    for name in "ab":
+        events, done = _sse(lines[name])
+        assert done and "error" in events[-1] and events[-1]["error"]["code"] == "request_timeout", (name, events[-3:])
+    with aux.client() as c:
+        t0 = time.monotonic()
+        _assert_error(c.post("/v1/completions", json={**long, "stream": False}), 504, code="request_timeout")
+        assert 3 < time.monotonic() - t0 < 8
+        _assert_healthy(c, "timeouts")
+
+
+def test_sigterm_drains_then_exits_zero(aux):
+    """Runs last on aux: one stream decoding, one waiting in the queue; both finish after SIGTERM, new work gets 503."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": True,
+            "logit_bias": {"2": -100}}
+    results = {}
+
+    def stream(i):
+        with aux.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            results[i] = _sse(r.iter_lines())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    aux.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with aux.client() as c:
+        assert c.get("/health").json()["status"] == "draining"
+        _assert_error(c.post("/v1/completions", json={**body, "stream": False}), 503, code="draining")
+    for t in threads:
+        t.join(30)
+    for i in range(2):
+        events, done = results[i]
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length", events[-2:]
+        assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) > 60
+    assert aux.proc.wait(30) == 0
+
+
+def test_load_failure_exits_nonzero(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "lily_mlx.server", "--model", str(tmp_path / "missing"), "--port", str(_free_port())],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "no such model folder" in p.stderr
+
+
+def test_engine_death_fails_requests_and_reports(tiny_dir):
+    """A failure of the loop itself (here: the model cannot make a cache) answers open requests and calls on_death."""
+    import lily_mlx
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+
+    def broken():
+        raise RuntimeError("no cache today")
+
+    model.make_cache = broken
+    died, events = threading.Event(), []
+    engine = Engine(lambda: (model, tok), on_death=lambda e: died.set()).start()
+    assert engine.ready.wait(30)
+    req = Request([[1, 2, 3]], [[2]], [4], SamplingParams(temperature=0), [ChoiceOutput(tok, [], chat=False)], events.extend, 30)
+    engine.submit(req)
+    assert died.wait(10) and engine.dead is not None
+    assert events and events[-1][0] == "error" and events[-1][1].code == "engine_dead"
