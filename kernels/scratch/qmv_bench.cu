@@ -58,6 +58,16 @@ template <QMV_TPARAMS> __global__ void qmv_v4(QMV_ARGS) {  // the promoted body
 #include "../entry_cuda.inc"
 #include "../qmv.inc"
 }
+template <QMV_TPARAMS> __global__ void qmv_v5(QMV_ARGS) {
+  QMV_CONSTS
+#include "../entry_cuda.inc"
+#include "qmv_v5.inc"
+}
+template <QMV_TPARAMS> __global__ void qmv_v6(QMV_ARGS) {
+  QMV_CONSTS
+#include "../entry_cuda.inc"
+#include "qmv_v6.inc"
+}
 
 typedef void (*KernelFn)(const bf16*, const uint32_t*, const bf16*, const bf16*, Shape, bf16*);
 
@@ -271,58 +281,64 @@ int main() {
   }
   std::printf("\n| shape | variant | config | grid | us | TB/s | %% peak | rel err |\n|---|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(0);
+  // Round 1 (v1..v4, sweeps) is in NOTES.md; round 2 compares v3..v6 where it matters.
+#define RV(name, B, G, MM, KK, L, R, W, cap) run_v<B, G, MM, KK, L, R, W>(#name, V(name, B, G, MM, KK, L, R, W), p, cap)
+  const int ALL = 1 << 30;
+  if (std::getenv("QMV_ROUND1")) {
+    Problem p = make_problem(1, 2048, 8192, 4, 64, rng);
+    all_variants<4, 64, 1, 2048, 32, 4, 8>(p, ALL);
+    free_problem(p);
+  }
   {
     Problem p = make_problem(1, 2048, 8192, 4, 64, rng);
-    all_variants<4, 64, 1, 2048, 32, 4, 8>(p, 1 << 30);
-    run_v<4, 64, 1, 2048, 32, 2, 8>("v4", V(v4, 4, 64, 1, 2048, 32, 2, 8), p, 1 << 30);
-    run_v<4, 64, 1, 2048, 32, 2, 4>("v4", V(v4, 4, 64, 1, 2048, 32, 2, 4), p, 1 << 30);
-    run_v<4, 64, 1, 2048, 32, 1, 4>("v4", V(v4, 4, 64, 1, 2048, 32, 1, 4), p, 1 << 30);
-    run_v<4, 64, 1, 2048, 32, 4, 4>("v4", V(v4, 4, 64, 1, 2048, 32, 4, 4), p, 1 << 30);
+    RV(v3, 4, 64, 1, 2048, 32, 4, 8, ALL);
+    RV(v4, 4, 64, 1, 2048, 32, 4, 8, ALL);
+    RV(v5, 4, 64, 1, 2048, 32, 4, 8, ALL);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 132);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
+    RV(v6, 4, 64, 1, 2048, 32, 2, 8, 264);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 264);
+    RV(v6, 4, 64, 1, 2048, 32, 2, 4, 396);
     free_problem(p);
   }
   {
     Problem p = make_problem(1, 2048, 248320, 4, 64, rng);
-    all_variants<4, 64, 1, 2048, 32, 4, 8>(p, 528);
-    for (int cap : {264, 1056, 2112})
-      run_v<4, 64, 1, 2048, 32, 4, 8>("v4", V(v4, 4, 64, 1, 2048, 32, 4, 8), p, cap);
-    for (int cap : {528, 1056, 1 << 30})
-      run_v<4, 64, 1, 2048, 32, 2, 8>("v4", V(v4, 4, 64, 1, 2048, 32, 2, 8), p, cap);
-    run_v<4, 64, 1, 2048, 32, 4, 4>("v4", V(v4, 4, 64, 1, 2048, 32, 4, 4), p, 1056);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 512, 2048, 4, 64, rng);
-    all_variants<4, 64, 1, 512, 16, 1, 4>(p, 1 << 30);
-    run_v<4, 64, 1, 512, 16, 2, 4>("v4", V(v4, 4, 64, 1, 512, 16, 2, 4), p, 1 << 30);
-    run_v<4, 64, 1, 512, 16, 1, 2>("v4", V(v4, 4, 64, 1, 512, 16, 1, 2), p, 1 << 30);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 2048, 512, 4, 64, rng);
-    all_variants<4, 64, 1, 2048, 32, 1, 2>(p, 1 << 30);
-    run_v<4, 64, 1, 2048, 32, 1, 4>("v4", V(v4, 4, 64, 1, 2048, 32, 1, 4), p, 1 << 30);
+    RV(v4, 4, 64, 1, 2048, 32, 4, 8, 528);
+    RV(v4, 4, 64, 1, 2048, 32, 4, 4, 1056);
+    RV(v5, 4, 64, 1, 2048, 32, 4, 8, 528);
+    RV(v5, 4, 64, 1, 2048, 32, 4, 4, 1056);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 528);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 528);
+    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 1056);
+    RV(v6, 4, 64, 1, 2048, 32, 2, 4, 1056);
     free_problem(p);
   }
   {
     Problem p = make_problem(1, 4096, 2048, 4, 64, rng);
-    all_variants<4, 64, 1, 4096, 32, 1, 8>(p, 1 << 30);
-    run_v<4, 64, 1, 4096, 32, 1, 4>("v4", V(v4, 4, 64, 1, 4096, 32, 1, 4), p, 1 << 30);
-    run_v<4, 64, 1, 4096, 32, 2, 4>("v4", V(v4, 4, 64, 1, 4096, 32, 2, 4), p, 1 << 30);
+    RV(v4, 4, 64, 1, 4096, 32, 1, 8, ALL);
+    RV(v5, 4, 64, 1, 4096, 32, 1, 8, ALL);
+    RV(v6, 4, 64, 1, 4096, 32, 1, 8, 132);
+    RV(v6, 4, 64, 1, 4096, 32, 1, 4, 264);
     free_problem(p);
   }
   {
-    Problem p = make_problem(1, 2048, 256, 8, 64, rng);
-    all_variants<8, 64, 1, 2048, 32, 1, 2>(p, 1 << 30);
+    Problem p = make_problem(1, 512, 2048, 4, 64, rng);
+    RV(v4, 4, 64, 1, 512, 16, 1, 4, ALL);
+    RV(v5, 4, 64, 1, 512, 16, 1, 4, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 2048, 512, 4, 64, rng);
+    RV(v4, 4, 64, 1, 2048, 32, 1, 4, ALL);
+    RV(v5, 4, 64, 1, 2048, 32, 1, 4, ALL);
+    RV(v5, 4, 64, 1, 2048, 32, 1, 2, ALL);
     free_problem(p);
   }
   {
     Problem p = make_problem(1, 2048, 1, 8, 64, rng);
-    all_variants<8, 64, 1, 2048, 32, 1, 2>(p, 1 << 30);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(4, 2048, 8192, 4, 64, rng);
-    all_variants<4, 64, 4, 2048, 32, 4, 8>(p, 1 << 30);
+    RV(v4, 8, 64, 1, 2048, 32, 1, 2, ALL);
+    RV(v5, 8, 64, 1, 2048, 32, 1, 2, ALL);
     free_problem(p);
   }
   return 0;

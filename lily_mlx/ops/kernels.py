@@ -32,12 +32,26 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"kernel sources not found: looked for prelude_cuda.h in {_PACKAGE_DIR} and {_REPO_DIR}")
 
 
+def compact(src: str) -> str:
+    """Drops // comments and blank lines: MLX rebuilds and hashes the full source on every call."""
+    out = []
+    for line in src.splitlines():
+        cut = line.find("//")
+        if cut >= 0 and line.count('"', 0, cut) % 2 == 0:
+            line = line[:cut]
+        line = line.rstrip()
+        if line:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
 @functools.lru_cache(maxsize=None)
 def read_source(filename: str) -> str:
+    """A kernel source file, compacted: the text MLX compiles (and the compile checks see)."""
     path = kernel_dir() / filename
     if not path.is_file():
         raise FileNotFoundError(f"kernel source {path} does not exist")
-    return path.read_text()
+    return compact(path.read_text())
 
 
 @dataclass(frozen=True)
@@ -108,11 +122,10 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
          grid: tuple[int, int, int], threadgroup: tuple[int, int, int], output_shapes, output_dtypes,
          init_value: Optional[float] = None) -> list[mx.array]:
     spec = SPECS[name]
-    names = tuple(n for n, _ in template)
-    if names != spec.template_params:
-        raise ValueError(f"kernel {name!r}: template arguments {names} != declared {spec.template_params}")
+    if len(template) != len(spec.template_params) or any(n != p for (n, _), p in zip(template, spec.template_params)):
+        raise ValueError(f"kernel {name!r}: template arguments {[n for n, _ in template]} != declared {spec.template_params}")
     if len(inputs) != len(spec.input_names):
         raise ValueError(f"kernel {name!r}: {len(inputs)} inputs given, expected {spec.input_names}")
     kwargs = {} if init_value is None else {"init_value": init_value}
-    return build(name, backend)(inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
-                                output_shapes=list(output_shapes), output_dtypes=list(output_dtypes), **kwargs)
+    return build(name, backend)(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                                output_shapes=output_shapes, output_dtypes=output_dtypes, **kwargs)

@@ -81,19 +81,37 @@ def instance(x_dtype, scale_dtype, M: int, K: int, N: int, bits: int, group_size
     return kernels.Instance(template, inputs, (x_dtype,))
 
 
+_LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, M, N) or None (not applicable)
+
+
+def _launch(x, w, scales, biases, group_size: int, bits: int):
+    # Decode calls the same few shapes thousands of times: plan once per signature.
+    key = (x.shape, x.dtype, w.shape, w.dtype, scales.shape, scales.dtype,
+           None if biases is None else (biases.shape, biases.dtype), group_size, bits)
+    hit = _LAUNCH.get(key, False)
+    if hit is not False:
+        return hit
+    launch = None
+    if unsupported(x, w, scales, biases, group_size, bits) is None:
+        K, N = x.shape[-1], w.shape[0]
+        M = x.size // K
+        p = plan(M, K, N, bits)
+        threads = 32 * p["WARPS"]
+        inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size)
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, N)
+    _LAUNCH[key] = launch
+    return launch
+
+
 def qmv(x, w, scales, biases, *, group_size: int, bits: int, backend: str, init_value: Optional[float] = None):
     """x [..., K] @ dequant(w [N, K*bits/32])^T -> [..., N] in x's dtype; None if not applicable."""
-    if unsupported(x, w, scales, biases, group_size, bits) is not None:
+    launch = _launch(x, w, scales, biases, group_size, bits)
+    if launch is None:
         return None
-    K, N = x.shape[-1], w.shape[0]
-    M = x.size // K
-    p = plan(M, K, N, bits)
-    threads = 32 * p["WARPS"]
-    inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size)
-    (y,) = kernels.call("qmv", backend, [x.reshape(M, K), w, scales, biases], inst.template,
-                        grid=(p["blocks"] * threads, 1, 1), threadgroup=(threads, 1, 1),
-                        output_shapes=[(M, N)], output_dtypes=[x.dtype], init_value=init_value)
-    return y.reshape(*x.shape[:-1], N)
+    template, grid, group, M, N = launch
+    (y,) = kernels.call("qmv", backend, [x.reshape(M, x.shape[-1]), w, scales, biases], template, grid, group,
+                        [(M, N)], [x.dtype], init_value)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
 
 
 def _instances() -> list[kernels.Instance]:
