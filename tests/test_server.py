@@ -366,6 +366,8 @@ def test_openai_client_semantics(main):
     comp = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, logprobs=2)
     assert comp.choices[0].finish_reason == "length" and len(comp.choices[0].logprobs.token_logprobs) == 6
     assert all(len(t) <= 2 for t in comp.choices[0].logprobs.top_logprobs)
+    lp = comp.choices[0].logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
 
 def test_reasoning_content_and_tool_calls(main, tiny_dir):
@@ -391,6 +393,28 @@ def test_reasoning_content_and_tool_calls(main, tiny_dir):
     calls = [tc for d in deltas for tc in d.tool_calls]
     assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and out.made_tool_call
+
+
+def test_collector_formats_reasoning_tool_calls_and_usage(tiny_dir):
+    from types import SimpleNamespace
+
+    from mlx_lm.utils import load_tokenizer
+
+    from lily_mlx.server.app import Collector
+    from lily_mlx.server.output import Delta
+
+    server = SimpleNamespace(tokenizer=load_tokenizer(tiny_dir), cfg=SimpleNamespace(model_id="tiny"))
+    col = Collector(server, "chat", "x", 1, [10])
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    events = [("prompt", 0, 7), ("delta", 0, Delta(reasoning="think")), ("delta", 0, Delta(content="Hi", tool_calls=[call])),
+              ("finish", 0, "tool_calls", Delta(), 5)]
+    chunks = [col.chunk(c, d, r, False) for ev in events for c, d, r in col.apply(ev)]
+    assert [ch["choices"][0]["delta"] for ch in chunks] == [
+        {"reasoning_content": "think"}, {"content": "Hi", "tool_calls": [{"index": 0, **call}]}, {}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and col.done
+    final = col.final(False)
+    assert final["choices"][0]["message"] == {"role": "assistant", "content": "Hi", "reasoning_content": "think", "tool_calls": [call]}
+    assert final["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 7}}
 
 
 def test_stop_matcher_holds_back_partial_stops():

@@ -13,8 +13,8 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -92,12 +92,18 @@ class Server:
     def __init__(self, cfg: ServerConfig, engine: Engine, metrics: Metrics):
         self.cfg, self.engine, self.metrics = cfg, engine, metrics
         self.draining = False
+        self._mailbox: Optional[Mailbox] = None
         # One thread: HF tokenizers and Jinja templates stay off the event loop, and are never used concurrently.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lily-tokenize")
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
 
     def check_available(self) -> None:
         if self.engine.dead is not None:
@@ -227,6 +233,7 @@ class Collector:
         self.tokens = [0] * n_choices
         self.deltas = [Delta() for _ in range(n_choices)]
         self.tool_index = [0] * n_choices
+        self.text_offset = [0] * n_choices
         self.error: Optional[APIError] = None
 
     @property
@@ -255,7 +262,7 @@ class Collector:
             return [(c, delta, reason)]
         return []
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> Optional[dict]:
+    def _logprobs(self, choice: int, entries: list[TokenLogprob]) -> dict:
         tok = self.server.tokenizer
         piece = lambda t: tok.decode([t])  # noqa: E731
         if self.kind == "chat":
@@ -263,14 +270,18 @@ class Collector:
                 s = piece(t)
                 return {"token": s, "logprob": lp, "bytes": list(s.encode())}
             return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries]}
-        return {"tokens": [piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries], "text_offset": []}
+        tokens, offsets = [piece(e.token) for e in entries], []
+        for t in tokens:  # character offset of each token in the completion text, running across chunks
+            offsets.append(self.text_offset[choice])
+            self.text_offset[choice] += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
     def chunk(self, choice: int, delta: Delta, reason: Optional[str], want_logprobs: bool) -> Optional[dict]:
         """One streaming chunk for a choice's update, or None when there is nothing to say."""
         if not delta and reason is None:
             return None
-        lp = self._logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None
+        lp = self._logprobs(choice, delta.logprobs) if want_logprobs and delta.logprobs else None
         if self.kind == "chat":
             d: dict[str, Any] = {}
             if delta.content:
@@ -296,7 +307,7 @@ class Collector:
     def final(self, want_logprobs: bool, echo_texts: Optional[list[str]] = None) -> dict:
         choices = []
         for c, d in enumerate(self.deltas):
-            lp = self._logprobs(d.logprobs) if want_logprobs else None
+            lp = self._logprobs(c, d.logprobs) if want_logprobs else None
             if self.kind == "chat":
                 msg: dict[str, Any] = {"role": "assistant", "content": d.content if d.content or not d.tool_calls else None}
                 if d.reasoning:
@@ -320,13 +331,21 @@ async def _wait_disconnect(receive) -> None:
 
 
 async def _next_events(queue: asyncio.Queue, disconnect: asyncio.Task) -> Optional[list]:
-    """The engine's next batch of events, or None if the client went away first."""
-    get = asyncio.ensure_future(queue.get())
-    await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-        return get.result()
-    get.cancel()
-    return None
+    """All engine events available now (waiting for the first), or None if the client went away first."""
+    if disconnect.done():
+        return None
+    if queue.empty():
+        get = asyncio.ensure_future(queue.get())
+        await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            return None
+        events = list(get.result())
+    else:
+        events = []
+    while not queue.empty():
+        events += queue.get_nowait()
+    return events
 
 
 class EventStream:
@@ -391,10 +410,28 @@ class EventStream:
         return out
 
 
-def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-    def put(events: list) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, events)
-    return put
+class Mailbox:
+    """Engine thread -> event loop: one loop wake-up per batch of posts, however many requests they are for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, list]] = []
+
+    def sink(self, queue: asyncio.Queue):
+        def post(events: list) -> None:
+            with self._lock:
+                self._pending.append((queue, events))
+                first = len(self._pending) == 1
+            if first:
+                self.loop.call_soon_threadsafe(self._deliver)
+        return post
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, events in pending:
+            queue.put_nowait(events)
 
 
 async def _generate(server: Server, request: HTTPRequest, kind: str) -> Response:
@@ -425,7 +462,7 @@ async def _generate(server: Server, request: HTTPRequest, kind: str) -> Response
                 echo_texts = [t for t in texts for _ in range(p.n)]
         max_new = [server.max_new(len(x), p.max_tokens) for x in prompts]
         queue: asyncio.Queue = asyncio.Queue()
-        req = Request(prompts, snap_lists, max_new, p, outputs, _sink(loop, queue), server.cfg.request_timeout)
+        req = Request(prompts, snap_lists, max_new, p, outputs, server.mailbox(loop).sink(queue), server.cfg.request_timeout)
         server.engine.submit(req)
     except ClientDisconnect:
         server.metrics.requests.labels(endpoint, "disconnected").inc()

@@ -81,8 +81,8 @@ class ChoiceOutput:
         self.state = self.sm.make_state(initial_state) if self.sm else None
         self.tool_text = ""
         self.made_tool_call = False
-        self.start_marker = tokenizer.tool_call_start or "" if chat else ""
-        self.end_marker = tokenizer.tool_call_end or "" if chat else ""
+        self.start_marker = (tokenizer.tool_call_start or "") if chat else ""
+        self.end_marker = (tokenizer.tool_call_end or "") if chat else ""
 
     def feed(self, token: int, logprob: Optional[TokenLogprob]) -> tuple[Delta, bool]:
         """Add one generated (non-EOS) token. -> (what to emit now, whether a stop string ended the text)."""

@@ -18,7 +18,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted for compatibility and ignored: they do not change what is generated.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 
 class APIError(Exception):
@@ -75,9 +75,9 @@ def parse_json(raw: bytes) -> dict:
 class Fields:
     """Typed access to one JSON object's fields; unknown keys are refused up front."""
 
-    def __init__(self, obj: dict, allowed: set[str], where: str = ""):
+    def __init__(self, obj: dict, allowed: set[str], where: str = "", ignored: frozenset[str] = frozenset()):
         self.obj, self.where = obj, where
-        unknown = sorted(set(obj) - allowed - IGNORED_FIELDS) if not where else sorted(set(obj) - allowed)
+        unknown = sorted(set(obj) - allowed - ignored)
         if unknown:
             raise BadRequest(f"unrecognized argument supplied: {self.name(unknown[0])}", param=self.name(unknown[0]))
 
@@ -283,7 +283,7 @@ def _stream(f: Fields) -> tuple[bool, bool]:
 
 
 def parse_chat(body: dict, vocab_size: int) -> ChatRequest:
-    f = Fields(body, CHAT_FIELDS)
+    f = Fields(body, CHAT_FIELDS, ignored=IGNORED_FIELDS)
     if "messages" not in body:
         raise BadRequest("'messages' is required", param="messages")
     messages = [_message(m, i) for i, m in enumerate(f.array("messages", None, nonempty=True))]
@@ -413,7 +413,7 @@ def _tools(f: Fields) -> Optional[list[dict]]:
 
 
 def parse_completion(body: dict, vocab_size: int) -> CompletionRequest:
-    f = Fields(body, COMPLETION_FIELDS)
+    f = Fields(body, COMPLETION_FIELDS, ignored=IGNORED_FIELDS)
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required", param="prompt")
     prompts = _prompts(body["prompt"], vocab_size)

@@ -1,0 +1,207 @@
+"""Bounded load generator for `lily-mlx serve`: requests/s and aggregate decode tok/s at several concurrencies.
+
+Talks to 127.0.0.1 only. Either starts the server itself (--model PATH, or --tiny for the test suite's tiny
+checkpoint) or uses one already running (--url http://127.0.0.1:PORT). Per concurrency C: a warm-up of C
+requests, then --requests-per-client x C streamed /v1/completions requests (greedy, distinct prompts, EOS
+barred with logit_bias so every request generates exactly --max-tokens), C at a time.
+
+    python bench/serve_load.py --tiny --concurrency 1,8,32
+    python bench/serve_load.py --model PATH --max-tokens 128 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOTAL_REQUESTS = 20000
+WORDS = "the quick brown fox jumps over a lazy dog while models serve many small requests today".split()
+
+
+def _prompt(i: int, words: int) -> str:
+    return f"Request {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+
+
+def _one(client: httpx.Client, body: dict) -> dict:
+    t0 = time.perf_counter()
+    ttft, usage, reason = None, None, None
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(f"error event: {ev['error']}")
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices", []):
+                if ttft is None and ch.get("text"):
+                    ttft = time.perf_counter() - t0
+                reason = ch.get("finish_reason") or reason
+    return {"latency": time.perf_counter() - t0, "ttft": ttft, "tokens": usage["completion_tokens"], "finish": reason}
+
+
+def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int, bar: list[int], offset: int) -> dict:
+    results, errors = [], []
+    lock = threading.Lock()
+    next_i = [0]
+
+    def worker():
+        with httpx.Client(base_url=url, timeout=600) as c:
+            while True:
+                with lock:
+                    i = next_i[0]
+                    if i >= n_requests:
+                        return
+                    next_i[0] += 1
+                body = {"prompt": _prompt(offset + i, prompt_words), "max_tokens": max_tokens, "temperature": 0,
+                        "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {str(t): -100 for t in bar}}
+                try:
+                    res = _one(c, body)
+                    with lock:
+                        results.append(res)
+                except Exception as e:  # noqa: BLE001 (counted and reported)
+                    with lock:
+                        errors.append(str(e))
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    per_seq = [r["tokens"] / (r["latency"] - r["ttft"]) for r in results if r["ttft"] is not None and r["latency"] > r["ttft"]]
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
+        "wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 3), "decode_tok_per_s": round(tokens / wall, 1),
+        "completion_tokens": tokens, "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
+        "latency_p50_s": round(statistics.median(r["latency"] for r in results), 4) if results else None,
+        "per_sequence_tok_per_s_p50": round(statistics.median(per_seq), 1) if per_seq else None,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch", str(max_batch),
+           "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("server not ready after 300 s")
+
+
+def _eos_ids(model_dir: Path) -> list[int]:
+    from mlx_lm.utils import load_tokenizer
+
+    from lily_mlx.loading import _eos_ids, resolve_model_path
+
+    path = resolve_model_path(str(model_dir))
+    cfg = json.loads((path / "config.json").read_text())
+    return sorted(load_tokenizer(path, eos_token_ids=_eos_ids(cfg)).eos_token_ids)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="serve this model folder / repo (started here on 127.0.0.1)")
+    src.add_argument("--tiny", action="store_true", help="serve the test suite's tiny random checkpoint")
+    src.add_argument("--url", help="an already running server on 127.0.0.1 (EOS is not barred unless --bar-token)")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--bar-token", type=int, action="append", default=None, help="token ids barred with logit_bias -100 (default: EOS)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started server (repeatable)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if any(not 1 <= c <= 256 for c in levels) or args.requests_per_client < 1:
+        p.error("concurrency must be in 1..256 and --requests-per-client >= 1")
+    total = sum(c * (args.requests_per_client + 1) for c in levels)
+    if total > MAX_TOTAL_REQUESTS:
+        p.error(f"{total} requests planned; the limit is {MAX_TOTAL_REQUESTS}")
+
+    proc, tmp = None, None
+    try:
+        if args.url:
+            host = urlparse(args.url).hostname
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                p.error(f"--url must point at this machine (127.0.0.1), got host {host!r}")
+            url, bar = args.url.rstrip("/"), args.bar_token or []
+        else:
+            if args.tiny:
+                sys.path.insert(0, str(REPO / "tests"))
+                from test_server_fixtures import build_tiny_checkpoint
+
+                tmp = tempfile.TemporaryDirectory()
+                model = str(build_tiny_checkpoint(Path(tmp.name) / "tiny"))
+            else:
+                model = args.model
+            bar = args.bar_token if args.bar_token is not None else _eos_ids(Path(model))
+            proc, url = _start_server(model, max(levels), args.server_arg)
+        rows, offset = [], 0
+        for c in levels:
+            run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset)  # warm-up
+            offset += c
+            row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset)
+            offset += c * args.requests_per_client
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print("\n| clients | requests/s | decode tok/s (aggregate) | per-sequence tok/s (p50) | TTFT p50 (s) | latency p50 (s) | errors |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['concurrency']} | {r['requests_per_s']} | {r['decode_tok_per_s']} | {r['per_sequence_tok_per_s_p50']} "
+                  f"| {r['ttft_p50_s']} | {r['latency_p50_s']} | {r['errors']} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "levels": rows}, indent=2))
+        return 0 if all(r["errors"] == 0 for r in rows) else 1
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
