@@ -304,6 +304,8 @@ def hardware(infos: dict) -> dict:
         if q.returncode == 0:
             hw["gpus"] = [l.strip() for l in q.stdout.splitlines() if l.strip()]
             hw["gpu_name"] = hw["gpus"][0].split(",")[0] if hw["gpus"] else None
+    if not hw.get("gpu_name") and hw["backend"] in ("cuda", "metal"):
+        hw["gpu_name"] = (hw.get("device_info") or {}).get("device_name")
     return hw
 
 
@@ -370,13 +372,15 @@ def plot(report: dict, path: str) -> None:
     arms = list(report["settings"]["arms"])
     base = report["baseline"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    color = {a: f"C{i}" for i, a in enumerate(arms)}  # one colour per arm, one line style per (g, b)
+    series = sorted({(r["generation_tokens"], r["batch_size"]) for r in rows})
+    styles = {gb: ("-", "--", ":", "-.")[i % 4] for i, gb in enumerate(series)}
     for ax, metric, title in ((axes[0], "decode_tps", "decode tok/s"), (axes[1], "prefill_tps", "prefill tok/s")):
         for arm in arms:
-            for g, b in sorted({(r["generation_tokens"], r["batch_size"]) for r in rows}):
+            for g, b in series:
                 pts = sorted((r["prompt_tokens"], r["arms"][arm]["median"][metric]) for r in rows
                              if (r["generation_tokens"], r["batch_size"]) == (g, b))
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{arm} (g={g}, b={b})")
+                ax.plot(*zip(*pts), marker="o", color=color[arm], ls=styles[(g, b)], label=f"{arm} (g={g}, b={b})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens (context)")
         ax.set_title(title)
@@ -389,7 +393,8 @@ def plot(report: dict, path: str) -> None:
     for i, arm in enumerate(others):
         for j, (kind, hatch) in enumerate((("decode", None), ("prefill", "//"))):
             xs = [k + (2 * i + j) * width for k in range(len(rows))]
-            axes[2].bar(xs, [r["arms"][arm]["vs_baseline"][kind] for r in rows], width, hatch=hatch, label=f"{arm} {kind}")
+            axes[2].bar(xs, [r["arms"][arm]["vs_baseline"][kind] for r in rows], width, hatch=hatch, color=color[arm],
+                        edgecolor="white", label=f"{arm} {kind}")
     axes[2].axhline(1.0, color="k", lw=0.8)
     axes[2].set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], labels, fontsize=7)
     axes[2].set_title(f"speedup vs {base}")

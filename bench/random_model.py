@@ -363,9 +363,9 @@ def embedded_tokenizer() -> Path:
 
 
 def write_tokenizer(out: Path, vocab: int, source: Optional[Path] = None) -> str:
-    """A tokenizer for mlx_lm.load. Copies `source`'s (default: the embedded lily-tiny model's) when it names
-    every id below `vocab`, so decoding a random token cannot fail; else writes a byte-level BPE (ids 0-255
-    are the bytes, 256 .. vocab-2 named fillers, vocab-1 the EOS)."""
+    """A tokenizer for mlx_lm.load. Copies `source`'s (default: the embedded lily-tiny model's) when its ids
+    are exactly 0 .. vocab-1, so no token decodes to nothing and no text encodes past the embedding; else
+    writes a byte-level BPE (ids 0-255 are the bytes, 256 .. vocab-2 named fillers, vocab-1 the EOS)."""
     source = embedded_tokenizer() if source is None else source
     if source is not None and (source / "tokenizer.json").is_file():
         try:
@@ -373,7 +373,7 @@ def write_tokenizer(out: Path, vocab: int, source: Optional[Path] = None) -> str
             ids = set(tok["model"]["vocab"].values()) | {t["id"] for t in tok.get("added_tokens", [])}
         except (json.JSONDecodeError, KeyError, TypeError):
             ids = set()
-        if ids >= set(range(vocab)):
+        if ids == set(range(vocab)):
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
                 if (source / name).is_file():
                     shutil.copy2(source / name, out / name)
