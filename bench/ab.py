@@ -86,8 +86,8 @@ def expand_arms(spec: str) -> list[str]:
             arms.append(name)
     if len(arms) < 1 or len(set(arms)) != len(arms):
         raise BenchError(f"--arms {spec!r}: give one or more distinct arms")
-    if any(arm_mod.parse_arm(a)[1] == "lily" for a in arms):
-        arm_mod.loop_module("lily")  # fail now, not in every process
+    if any(arm_mod.parse_arm(a)[1] == "lily" for a in arms) and not arm_mod.has_lily_loop():
+        raise BenchError(arm_mod.LILY_LOOP_MISSING)  # fail now, not in every process
     return arms
 
 
@@ -194,7 +194,8 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
                                + ", ".join(f"{v:.1f}" for v in values))
         digests = [t["digest"] for t in rounds]
         if len(set(digests)) > 1:
-            d = first_divergence(rounds[0]["tokens"], rounds[digests.index(next(x for x in digests if x != digests[0]))]["tokens"])
+            other = next(t for t in rounds if t["digest"] != digests[0])
+            d = first_divergence(rounds[0]["tokens"], other["tokens"])
             reasons.append(f"{arm}: greedy tokens change between rounds (first at sequence {d['sequence']} step {d['step']}: {d['tokens']})")
         if min(t["distinct_tokens"] for t in rounds) <= 1:
             warnings.append(f"{arm}: greedy decoding emits a single repeated token")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -50,6 +51,17 @@ def arm_env(name: str) -> dict[str, str]:
     return {"LILY_MLX_DISABLE": parse_arm(name)[2] or ""}
 
 
+LILY_LOOP_MISSING = (
+    "lily_mlx.generate is not available (lily_mlx/generate.py is missing): the 'lily', 'lily-no-*' and "
+    "'stock-model+lily-loop' arms need it; 'stock' and 'lily-model+stock-loop' do not"
+)
+
+
+def has_lily_loop() -> bool:
+    """Without importing it: importing lily_mlx.generate rebinds the package's `generate` function to the module."""
+    return importlib.util.find_spec("lily_mlx.generate") is not None
+
+
 def loop_module(engine: str):
     # import_module, not `import a.generate as g`: the packages export a function of that name too.
     if engine == "stock":
@@ -59,10 +71,7 @@ def loop_module(engine: str):
     except ModuleNotFoundError as e:
         if e.name != "lily_mlx.generate":
             raise
-        raise ArmError(
-            "lily_mlx.generate is not available (lily_mlx/generate.py is missing): the 'lily', 'lily-no-*' and "
-            "'stock-model+lily-loop' arms need it; 'stock' and 'lily-model+stock-loop' do not"
-        ) from None
+        raise ArmError(LILY_LOOP_MISSING) from None
     for fn in ("stream_generate", "batch_generate"):
         if not callable(getattr(loop, fn, None)):
             raise ArmError(f"lily_mlx.generate has no {fn}() with mlx-lm's signature")
@@ -172,21 +181,27 @@ def main(argv=None) -> int:
         model, tokenizer = load(model_engine, args.model)
         load_s = time.perf_counter() - t0
         tokenizer.eos_token_ids = []  # as mlx_lm.benchmark: never stop early
-        from lily_mlx import ops
-
-        if switch is not None:
-            if switch != "all" and switch not in ops.KERNEL_NAMES:
-                raise ArmError(f"arm {args.arm}: no kernel switch {switch!r} on backend {ops.backend()}; registered: {sorted(ops.KERNEL_NAMES) or 'none'}")
-            if ops.enabled(switch if switch != "all" else "any kernel"):
-                raise ArmError(f"arm {args.arm}: LILY_MLX_DISABLE did not switch {switch!r} off")
         import mlx.core as mx
         import mlx_lm
+
+        kernels = {}
+        if "lily" in (model_engine, loop_engine):  # the stock arm never imports lily_mlx
+            from lily_mlx import ops
+
+            if switch is not None:
+                if switch != "all" and switch not in ops.KERNEL_NAMES:
+                    raise ArmError(f"arm {args.arm}: no kernel switch {switch!r} on backend {ops.backend()}; "
+                                   f"registered: {sorted(ops.KERNEL_NAMES) or 'none'}")
+                if ops.enabled(switch if switch != "all" else "any kernel"):
+                    raise ArmError(f"arm {args.arm}: LILY_MLX_DISABLE did not switch {switch!r} off")
+            kernels = {"kernels": sorted(ops.KERNEL_NAMES), "kernels_off": sorted(n for n in ops.KERNEL_NAMES if not ops.enabled(n))}
+        backend = ("cpu" if mx.default_device() == mx.cpu else "metal" if mx.metal.is_available()
+                   else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "cpu")
 
         raw = json.loads((Path(args.model) / "config.json").read_text())
         vocab = raw.get("text_config", raw)["vocab_size"]
         send(event="ready", arm=args.arm, load_s=load_s, model_engine=model_engine, loop_engine=loop_engine,
-             loop_module=loop.__name__, backend=ops.backend(), kernels=sorted(ops.KERNEL_NAMES),
-             kernels_off=sorted(n for n in ops.KERNEL_NAMES if not ops.enabled(n)), vocab=vocab,
+             loop_module=loop.__name__, backend=backend, vocab=vocab, **kernels,
              device_info={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in mx.device_info().items()},
              mlx=mx.__version__, mlx_lm=mlx_lm.__version__, pid=os.getpid())
     except Exception as e:
