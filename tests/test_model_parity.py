@@ -47,6 +47,9 @@ def test_logits_match_stock_mlx_lm(tiny_checkpoints, layout):
     ours, _ = load_model(path)
     if layout == "mlx_bf16" and mx.default_device() == mx.cpu:
         pytest.skip("stock mlx-lm cannot run bf16 experts on CPU: MLX's CPU GatherMM is float32-only")
+    if layout == "hf" and mx.default_device() == mx.gpu and not mx.metal.is_available():
+        # seen on the H200 (MLX 0.32.4): stock's strided views of gate_up_proj give wrong logits on CUDA
+        pytest.xfail("stock mlx-lm mis-reads the HF layout's split expert views on MLX's CUDA backend")
     stock, _ = stock_load_model(path)
     a, b = logits(ours), logits(stock)
     if layout == "mlx_bf16":  # we keep float32 where stock rounds to bf16 (DeltaNet gates, q/k norms, router)
