@@ -635,3 +635,35 @@ def test_engine_death_fails_requests_and_reports(tiny_dir):
     engine.submit(req)
     assert died.wait(10) and engine.dead is not None
     assert events and events[-1][0] == "error" and events[-1][1].code == "engine_dead"
+
+
+def test_503_while_loading(tiny_dir):
+    """The app answers before the model is ready: /health and generation say 503 'loading' until the loader returns."""
+    from starlette.testclient import TestClient
+
+    import lily_mlx
+    from lily_mlx.server.app import Server, ServerConfig, create_app
+    from lily_mlx.server.engine import Engine
+    from lily_mlx.server.metrics import Metrics
+
+    release = threading.Event()
+
+    def slow_loader():
+        release.wait(30)
+        return lily_mlx.load(str(tiny_dir))
+
+    metrics = Metrics()
+    engine = Engine(slow_loader, metrics=metrics).start()
+    app = create_app(Server(ServerConfig(model=str(tiny_dir), served_model_name="tiny"), engine, metrics))
+    try:
+        with TestClient(app) as c:
+            assert c.get("/health").json() == {"status": "loading"}
+            _assert_error(c.post("/v1/chat/completions", json=CHAT_OK), 503, code="loading")
+            release.set()
+            assert engine.ready.wait(30)
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/chat/completions", json=CHAT_OK)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        release.set()
+        engine.stop()

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
@@ -183,7 +184,9 @@ class Server:
                 part = render(req.messages[:k], False)
             except Exception:
                 continue  # templates may refuse partial conversations; that boundary is just not cached
-            common = next((i for i, (a, b) in enumerate(zip(part, prompt)) if a != b), min(len(part), len(prompt)))
+            m = min(len(part), len(prompt))
+            differ = np.flatnonzero(np.asarray(part[:m]) != np.asarray(prompt[:m]))
+            common = int(differ[0]) if differ.size else m  # the longest common prefix
             if 0 < common < len(prompt):
                 snaps.add(common)
         state = "normal"
@@ -193,15 +196,15 @@ class Server:
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         if isinstance(req.prompts[0], str):
-            return [list(self.tokenizer.encode(p, add_special_tokens=False)) or _empty(i) for i, p in enumerate(req.prompts)]
+            return [list(self.tokenizer.encode(p)) or _empty(i) for i, p in enumerate(req.prompts)]
         return [list(p) for p in req.prompts]
 
-    def max_new(self, prompt_len: int, requested: Optional[int]) -> int:
+    def max_new(self, prompt_len: int, requested: Optional[int], prompt_param: str) -> int:
         ctx, limit = self.max_context, self.cfg.max_tokens_limit
         if prompt_len >= ctx:
             raise BadRequest(
                 f"this model's maximum context length is {ctx} tokens, but the prompt has {prompt_len} tokens; shorten the prompt",
-                param="messages", code="context_length_exceeded",
+                param=prompt_param, code="context_length_exceeded",
             )
         if requested is not None:
             if requested > limit:
@@ -460,7 +463,7 @@ async def _generate(server: Server, request: HTTPRequest, kind: str) -> Response
             if parsed.echo:
                 texts = parsed.prompts if isinstance(parsed.prompts[0], str) else [tok.decode(x) for x in prompts]
                 echo_texts = [t for t in texts for _ in range(p.n)]
-        max_new = [server.max_new(len(x), p.max_tokens) for x in prompts]
+        max_new = [server.max_new(len(x), p.max_tokens, "messages" if kind == "chat" else "prompt") for x in prompts]
         queue: asyncio.Queue = asyncio.Queue()
         req = Request(prompts, snap_lists, max_new, p, outputs, server.mailbox(loop).sink(queue), server.cfg.request_timeout)
         server.engine.submit(req)

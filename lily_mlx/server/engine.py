@@ -32,7 +32,7 @@ from mlx_lm.sample_utils import (
 )
 
 from .metrics import Metrics
-from .output import ChoiceOutput, Delta, TokenLogprob
+from .output import ChoiceOutput, TokenLogprob
 from .prefix_cache import PrefixCache, restore, snapshot
 from .schema import APIError, SamplingParams
 
@@ -440,7 +440,7 @@ class Engine:
         for i, r in enumerate(rows):
             row = logits[i: i + 1]
             for proc, context in r.processors:
-                ctx = r.generated if context is None else (r.prompt + r.generated)[-context:]
+                ctx = r.generated if context is None else (r.prompt[-context:] + r.generated)[-context:]
                 row = proc(mx.array(ctx, dtype=mx.int32), row)
             out.append(row)
         return mx.concatenate(out, axis=0)
