@@ -64,7 +64,7 @@ def test_qmv_cuda_model_shapes_and_dispatch():
     _check("cuda", 4, 64, mx.bfloat16, 1, 2048, 248320)  # lm_head
     _check("cuda", 4, 64, mx.float16, 2, 4096, 2048)
     _check("cuda", 4, 64, mx.bfloat16, 1, 512, 2048, lead=(2,))  # [2, 1, K] input
-    x, w, s, b = _inputs(1, 2048, 8192, 4, 64, mx.bfloat16, 3)
+    x, w, s, b = _inputs(1, 2048, 16384, 4, 64, mx.bfloat16, 3)  # 16 MiB of codes: above the dispatch threshold
     via_ops = ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
     direct = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
     assert mx.array_equal(via_ops, direct).item(), "ops.quantized_matmul did not take the qmv kernel"
@@ -105,6 +105,14 @@ def test_dispatcher_skips_switched_off_kernel(monkeypatch):
     assert ops.enabled("qmv")
     with pytest.raises(AssertionError, match="kernel ran"):
         ops.quantized_matmul(x, w, s, b, group_size=64, bits=4)
+
+
+def test_dispatch_leaves_small_weights_to_the_reference(monkeypatch):
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    monkeypatch.setattr(qmv, "qmv", _raising_kernel)
+    x, w, s, b = _inputs(1, 2048, 512, 4, 64, mx.float32, 1)
+    assert w.nbytes < qmv.DISPATCH_MIN_WEIGHT_BYTES
+    assert qmv._dispatch(x, w, s, b, group_size=64, bits=4) is None
 
 
 def test_unsupported_arguments_are_declined():

@@ -20,6 +20,10 @@ SCALE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 XBUDGET = 6144  # floats of x one block stages per K tile; the same constant as in qmv.inc
 MIN_BLOCKS = 256  # fewer row blocks than this: shrink them, so small N still fills the GPU
 MAX_BLOCKS = 528  # persistent grid: blocks loop over row blocks beyond this
+# The dispatcher takes qmv only from this many weight bytes on: measured on the H200 (eager MLX,
+# bench/kernels.py), a custom kernel costs ~8-10 us more per call than mx.quantized_matmul, which
+# outweighs its faster kernel below ~10 MB (2048->8192: 33.0 vs 29.9 us; lm_head: 128 vs 538 us).
+DISPATCH_MIN_WEIGHT_BYTES = 12 << 20
 
 SPEC_PARAMS = ("T", "BITS", "GS", "M", "K", "LANES", "RPS", "WARPS")
 
@@ -46,7 +50,7 @@ def plan(M: int, K: int, N: int, bits: int) -> dict:
     warps = 8
     while rps > 1 and -(-N // (warps * sub * rps)) < MIN_BLOCKS:
         rps //= 2
-    while warps > 2 and -(-N // (warps * sub * rps)) < MIN_BLOCKS:
+    while warps > 4 and -(-N // (warps * sub * rps)) < MIN_BLOCKS:  # below 4 warps x staging drags
         warps //= 2
     row_blocks = -(-N // (warps * sub * rps))
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
@@ -140,6 +144,8 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 def _dispatch(x, w, scales, biases, *, group_size: int, bits: int):
     from . import backend
 
+    if w.nbytes < DISPATCH_MIN_WEIGHT_BYTES:
+        return None
     return qmv(x, w, scales, biases, group_size=group_size, bits=bits, backend=backend())
 
 
