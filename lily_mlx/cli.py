@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 COMMANDS: dict[str, str] = {
+    "generate": "lily_mlx.generate:main",
+    "convert": "lily_mlx.convert:main",
     "bench": "bench.ab:main",
     "perplexity": "bench.perplexity:main",
     "serve": "lily_mlx.server.cli:main",
