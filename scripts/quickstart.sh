@@ -10,4 +10,4 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q ".${backend:+[$backend]}"
-python -m lily_mlx.generate --prompt "${1:-Return a list of the keys of a dictionary.}" --max-tokens "${2:-64}"
+lily-mlx generate --prompt "${1:-Return a list of the keys of a dictionary.}" --max-tokens "${2:-64}"

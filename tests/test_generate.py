@@ -181,3 +181,11 @@ def test_convert_per_expert_layout_loads_in_stock_mlx_lm(tiny_checkpoints, tmp_p
         a, b = np.array(ours(ids)), np.array(stock(ids))
         assert np.abs(a - b).max() / np.abs(b).max() <= 1e-4
     assert convert_main(["--hf-path", str(src), "--mlx-path", str(out)]) == 2  # exists already
+
+
+def test_lily_mlx_console_command_dispatches_generate(tiny_checkpoints):
+    r = subprocess.run(
+        [sys.executable, "-m", "lily_mlx.cli", "generate", "--model", str(tiny_checkpoints[0]["mlx"]), "-p", "hi", "-m", "4"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )
+    assert r.returncode == 0 and "Generation:" in r.stdout, r.stderr
