@@ -262,6 +262,7 @@ def run_matrix(args, arms: list[str], model: Path, traffic) -> tuple[list[dict],
                 spawn(a)  # all arms load at once
             for a in arms:
                 infos[a].append(workers[a].ready())
+                tqdm.write(f"{a}: loaded in {infos[a][-1]['load_s']:.1f} s ({infos[a][-1]['backend']})", file=sys.stderr)
         for p, g, b in rows:
             trials: dict[str, list[dict]] = {a: [] for a in arms}
             if args.isolation == "arm":
@@ -279,6 +280,10 @@ def run_matrix(args, arms: list[str], model: Path, traffic) -> tuple[list[dict],
                     if args.isolation == "round":
                         workers.pop(a).close()
             results.append(evaluate(p, g, b, trials, baseline, args.max_drift, traffic))
+            row = results[-1]
+            tqdm.write(f"p={p} g={g} b={b} [{row['status']}] " + "; ".join(
+                f"{a} prefill {e['median']['prefill_tps']:.1f} decode {e['median']['decode_tps']:.1f} tok/s"
+                for a, e in row["arms"].items()), file=sys.stderr)
     finally:
         bar.close()
         for w in workers.values():

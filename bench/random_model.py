@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -442,6 +443,8 @@ def build(
     free = shutil.disk_usage(out.parent).free
     if free < total * 1.02:
         raise OSError(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
+    print(f"building random:{shape} ({total / 1e9:.2f} GB, {len(shards)} shards) into {out}", file=sys.stderr)
+    started = time.perf_counter()
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -463,6 +466,7 @@ def build(
         manifest = {**config["random_model"], "total_bytes": total, "files": names, "tokenizer": tokenizer}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks a complete build
         os.replace(tmp, out)
+        print(f"built {out} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

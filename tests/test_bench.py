@@ -109,33 +109,34 @@ def test_full_size_shapes():
 
 def _bench(tmp_path, *extra):
     out = tmp_path / "bench.json"
-    argv = ["bench", "--model", "random:tiny", "-p", "16", "-g", "4", "-b", "1", "-n", "2", "--no-progress",
-            "--json", str(out), *extra]
+    argv = ["bench", "--model", "random:tiny", "-p", "16", "-g", "4", "-n", "2", "--no-progress", "--json", str(out), *extra]
     return cli_main(argv), out
 
 
-def test_bench_one_row_matrix(tmp_path, tiny_bf16):
+def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
     # CPU timings are noisy: the drift limit is lifted here and tested on its own below.
+    # Batch 1 runs stream_generate, batch 2 batch_generate.
     rc, out = _bench(tmp_path, "--model-dir", str(tiny_bf16), "--arms", f"stock,{LILY_ARM}", "--max-drift", "100",
-                     "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"))
+                     "-b", "1", "2", "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"))
     report = json.loads(out.read_text())
-    assert rc == 0, report["rows"][0]["reasons"]
+    assert rc == 0, [r["reasons"] for r in report["rows"]]
     assert report["schema"] == ab.SCHEMA and report["ok"] and report["baseline"] == "stock"
     for key in ("date", "hardware", "versions", "git", "settings", "model", "arms", "rows"):
         assert key in report
     assert report["versions"]["mlx"] == mx.__version__ and report["hardware"]["backend"] == "cpu"
     assert report["settings"]["arms"] == ["stock", LILY_ARM] and report["settings"]["num_trials"] == 2
-    (row,) = report["rows"]
-    assert (row["prompt_tokens"], row["generation_tokens"], row["batch_size"], row["status"]) == (16, 4, 1, "ok")
-    assert set(row["arms"]) == {"stock", LILY_ARM} and row["digests_agree"]
-    assert row["arms"]["stock"]["digest"] == row["arms"][LILY_ARM]["digest"]
-    for e in row["arms"].values():
-        assert len(e["rounds"]) == 2
-        m = e["median"]
-        assert m["prefill_tps"] > 0 and m["decode_tps"] > 0 and m["ttft_s"] > 0 and m["peak_memory_gb"] > 0
-        assert e["bandwidth_gbps"] > 0 and e["distinct_tokens"] > 1
-    assert row["arms"]["stock"]["vs_baseline"] == {"decode": 1.0, "prefill": 1.0, "ttft": 1.0}
-    assert row["bytes_per_decode_step"]["total"] > row["bytes_per_decode_step"]["dense_weights"] > 0
+    assert [(r["prompt_tokens"], r["generation_tokens"], r["batch_size"], r["status"]) for r in report["rows"]] == [
+        (16, 4, 1, "ok"), (16, 4, 2, "ok")]
+    for row in report["rows"]:
+        assert set(row["arms"]) == {"stock", LILY_ARM} and row["digests_agree"]
+        assert row["arms"]["stock"]["digest"] == row["arms"][LILY_ARM]["digest"]
+        for e in row["arms"].values():
+            assert len(e["rounds"]) == 2
+            m = e["median"]
+            assert m["prefill_tps"] > 0 and m["decode_tps"] > 0 and m["ttft_s"] > 0 and m["peak_memory_gb"] > 0
+            assert e["bandwidth_gbps"] > 0 and e["distinct_tokens"] > 1
+        assert row["arms"]["stock"]["vs_baseline"] == {"decode": 1.0, "prefill": 1.0, "ttft": 1.0}
+        assert row["bytes_per_decode_step"]["total"] > row["bytes_per_decode_step"]["dense_weights"] > 0
     assert "| 16 | 4 | 1 | stock |" in (tmp_path / "t.md").read_text()
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
