@@ -440,14 +440,17 @@ def build(
     total = sum(_nbytes(d, s) for m in modules for _, d, s in m.tensors(group_size, fd))
     shards = _shards(modules, group_size, fd, shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
+    free = shutil.disk_usage(out.parent).free + sum(
+        f.stat().st_size for d in out.parent.glob(f".{out.name}.partial-*") if not _alive(d.name.rsplit("-", 1)[-1])
+        for f in d.iterdir())
     if free < total * 1.02:
         raise OSError(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
     print(f"building random:{shape} ({total / 1e9:.2f} GB, {len(shards)} shards) into {out}", file=sys.stderr)
     started = time.perf_counter()
+    for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a killed build (SIGKILL, timeout)
+        if not _alive(stale.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         weight_map: dict[str, str] = {}
@@ -471,6 +474,16 @@ def build(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def default_dir(shape: str, overrides: dict, seed: int, bits: int, group: int, dtype: str) -> Path:
