@@ -1,7 +1,8 @@
 """lily_mlx: fast MLX inference for the Qwen3.5/3.6 hybrid MoE, a drop-in for mlx_lm."""
 
 from .config import ConfigError, ModelConfig
-from .generation import (
+# through the generate package, so `lily_mlx.generate` stays the function after `import lily_mlx.generate`
+from .generate import (
     BatchResponse,
     GenerationResponse,
     batch_generate,

@@ -189,3 +189,13 @@ def test_lily_mlx_console_command_dispatches_generate(tiny_checkpoints):
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )
     assert r.returncode == 0 and "Generation:" in r.stdout, r.stderr
+
+
+def test_importing_the_cli_module_keeps_generate_the_function():
+    import importlib
+
+    importlib.import_module("lily_mlx.generate")
+    from lily_mlx.generate import generate_step, main  # noqa: F401
+
+    assert callable(lily_mlx.generate) and lily_mlx.generate.__name__ == "generate"
+    assert lily_mlx.generate is lily_mlx.generation.generate

@@ -15,8 +15,8 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import load_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from .generation import *  # noqa: F401,F403  (the drop-in names, as mlx_lm.generate has them)
-from .generation import generate
+from ..generation import *  # noqa: F401,F403  (the drop-in names, as mlx_lm.generate has them)
+from ..generation import generate
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -54,7 +54,7 @@ class UsageError(ValueError):
 
 
 def run(args: argparse.Namespace) -> str:
-    from .loading import load
+    from ..loading import load
 
     if args.max_tokens < -1 or args.max_tokens == 0:
         raise UsageError(f"--max-tokens must be positive (or -1 for no limit), got {args.max_tokens}")
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .config import ConfigError
-    from .loading import CheckpointError
+    from ..config import ConfigError
+    from ..loading import CheckpointError
 
     args = setup_arg_parser().parse_args(argv)
     try:
@@ -125,7 +125,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"lily-mlx generate: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
