@@ -3,7 +3,8 @@
 Each op picks an implementation by device and shape: a custom kernel (CUDA or Metal) where one is
 registered, enabled and applicable, else the plain-MLX reference (which is also the CPU path).
 Every fused path can be switched off for A/B attribution, by API (`set_enabled`) or by the
-environment: LILY_MLX_DISABLE=qmv,gather,... (or `all`).
+environment: LILY_MLX_DISABLE=qmv,gather,... (or `all`). Kernels not yet verified on hardware are
+registered off by default and opted into with LILY_MLX_ENABLE=name,... (or `set_enabled(name, True)`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from . import reference
 
 KERNEL_NAMES: dict[str, str] = {}  # switch name -> one-line description, filled by kernel modules
 _disabled: set[str] = {s.strip() for s in os.environ.get("LILY_MLX_DISABLE", "").split(",") if s.strip()}
+_opted_in: set[str] = {s.strip() for s in os.environ.get("LILY_MLX_ENABLE", "").split(",") if s.strip()}
+_default_off: set[str] = set()
 
 
 def backend() -> str:
@@ -32,35 +35,41 @@ def backend() -> str:
 
 
 def enabled(name: str) -> bool:
-    return "all" not in _disabled and name not in _disabled
+    if "all" in _disabled or name in _disabled:
+        return False
+    return name not in _default_off or name in _opted_in
 
 
 def set_enabled(name: str, on: bool) -> None:
     if name != "all" and name not in KERNEL_NAMES:
         raise KeyError(f"unknown kernel switch {name!r}; known: {sorted(KERNEL_NAMES)} or 'all'")
     (_disabled.discard if on else _disabled.add)(name)
+    (_opted_in.add if on else _opted_in.discard)(name)
 
 
 @contextmanager
 def disabled(*names: str):
     """Temporarily switch fused paths off: `with ops.disabled('qmv'): ...`."""
-    before = set(_disabled)
+    before = set(_disabled), set(_opted_in)
     for n in names:
         set_enabled(n, False)
     try:
         yield
     finally:
-        _disabled.clear()
-        _disabled.update(before)
+        _disabled.clear(), _opted_in.clear()
+        _disabled.update(before[0]), _opted_in.update(before[1])
 
 
 # Kernel modules register here: name -> fn(*args, **kwargs) -> result or None (not applicable).
 _kernels: dict[str, Callable] = {}
 
 
-def register_kernel(name: str, description: str, fn: Callable) -> None:
+def register_kernel(name: str, description: str, fn: Callable, default_on: bool = True) -> None:
+    """default_on=False for a kernel not yet verified on GPU hardware: it runs only when opted into."""
     KERNEL_NAMES[name] = description
     _kernels[name] = fn
+    if not default_on:
+        _default_off.add(name)
 
 
 def register_switch(name: str, description: str) -> None:
