@@ -67,6 +67,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {_kind(body)}")
     return body
