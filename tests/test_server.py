@@ -586,6 +586,7 @@ def test_queue_full_timeout_and_error_after_headers(aux):
         events, done = _sse(lines[name])
         assert done and "error" in events[-1] and events[-1]["error"]["code"] == "request_timeout", (name, events[-3:])
     with aux.client() as c:
+        _assert_error(c.post("/v1/completions", json={**long, "stream": False, "n": 2}), 400, param="n")  # n > --max-batch 1
         t0 = time.monotonic()
         _assert_error(c.post("/v1/completions", json={**long, "stream": False}), 504, code="request_timeout")
         assert 3 < time.monotonic() - t0 < 8

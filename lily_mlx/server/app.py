@@ -393,6 +393,14 @@ class EventStream:
             await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
         except OSError:
             status = "disconnected"
+        except Exception as e:  # a bug while streaming: the headers are out, so say it as an event
+            log.exception("stream of request %s failed", self.req.id)
+            status = "500"
+            err = APIError(f"internal error while streaming: {type(e).__name__}")
+            try:
+                await send({"type": "http.response.body", "body": sse(err.body()) + SSE_DONE, "more_body": False})
+            except Exception:  # the connection is already unusable
+                pass
         finally:
             disconnect.cancel()
             if not self.req.finished:

@@ -92,7 +92,9 @@ def serve(args: argparse.Namespace) -> int:
         elif server is not None:  # died while loading, before the event loop started: startup returns at once
             server.should_exit = True
         # If the event loop cannot shut down on its own, do not linger as a server that cannot serve.
-        threading.Timer(cfg.drain_timeout + 10, os._exit, (1,)).start()
+        backstop = threading.Timer(cfg.drain_timeout + 10, os._exit, (1,))
+        backstop.daemon = True
+        backstop.start()
 
     engine = Engine(lambda: load(cfg.model), max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_step=cfg.prefill_step,
                     prefix_cache=PrefixCache(cfg.prefix_cache_bytes), metrics=metrics, on_death=on_death)
@@ -109,7 +111,14 @@ def serve(args: argparse.Namespace) -> int:
                 return
             state.draining = True
             engine.drain()
-            holder["loop"].call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            loop = holder.get("loop")
+            if loop is None:  # signalled before the server started: nothing to drain
+                self.should_exit = True
+                return
+            loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self):
+            self._drain_task = asyncio.ensure_future(self._drain())  # held, so the task is not garbage-collected
 
         async def _drain(self):
             log.info("draining: waiting up to %.0f s for open requests", cfg.drain_timeout)

@@ -34,7 +34,7 @@ from mlx_lm.sample_utils import (
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
 from .prefix_cache import PrefixCache, restore, snapshot
-from .schema import APIError, SamplingParams
+from .schema import APIError, BadRequest, SamplingParams
 
 log = logging.getLogger("lily_mlx.server")
 
@@ -195,6 +195,8 @@ class Engine:
                 raise Unavailable("the server is shutting down and accepts no new requests", code="draining")
             if not self.ready.is_set():
                 raise Unavailable("the model is still loading", code="loading")
+            if req.params.n > self.max_batch:
+                raise BadRequest(f"n={req.params.n} is more than this server decodes at once (--max-batch {self.max_batch})", param="n")
             queued = len(self._incoming) + len({id(j.req) for j in self._jobs})
             if queued >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({queued} waiting, --max-queue {self.max_queue}); retry later", code="queue_full")
