@@ -180,12 +180,17 @@ class ModelConfig:
                 raise ConfigError(f"{where}: field 'quantization.mode' is {q.get('mode')!r}; only 'affine' is supported")
 
 
-def read_config(model_dir: str | Path) -> ModelConfig:
+def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], Path]:
+    """The raw config.json of a model folder and its path."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the model folder")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text()), path
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    raw, path = read_config_json(model_dir)
     return ModelConfig.from_dict(raw, where=str(path))

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig, read_config_json
 from .embedded import resolve_embedded
 from .model import Model
 
@@ -148,13 +148,7 @@ def load_model(
     Every tensor is checked (presence, shape) before anything is read, so a bad checkpoint fails whole.
     """
     model_dir = Path(model_path)
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: no config.json in the model folder")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    raw, cfg_path = read_config_json(model_dir)
     for k, v in (model_config or {}).items():
         target = raw["text_config"] if isinstance(raw.get("text_config"), dict) and k in raw["text_config"] else raw
         target[k] = v

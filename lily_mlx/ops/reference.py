@@ -108,18 +108,18 @@ def deltanet_gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array)
     return log_g, mx.sigmoid(b.astype(mx.float32))
 
 
-def _apply_mask(log_g, beta, mask):
-    # A masked (padding) token becomes an exact no-op on the state: decay 1, write strength 0.
-    if mask is None:
-        return log_g, beta
-    return mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
-
-
-def _expand_heads(q, k, Hv):
-    rep = Hv // q.shape[2]
-    if rep > 1:
-        q, k = mx.repeat(q, rep, axis=2), mx.repeat(k, rep, axis=2)
-    return q, k
+def _delta_prologue(q, k, v, log_g, beta, state, mask):
+    """Shared set-up of both forms: float32 inputs, key heads repeated per value head, a zero state."""
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if mask is not None:  # a masked (padding) token is an exact no-op on the state: decay 1, write 0
+        log_g, beta = mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
+    q, k = q.astype(mx.float32), k.astype(mx.float32)
+    if Hv > Hk:
+        q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
+    return q, k, v.astype(mx.float32), log_g, beta, state
 
 
 def gated_delta_sequential(q, k, v, log_g, beta, state=None, mask=None):
@@ -130,15 +130,10 @@ def gated_delta_sequential(q, k, v, log_g, beta, state=None, mask=None):
     Per token: S = g S; delta = (v - S k) beta; S += delta k^T; y = S q.
     Returns y [B, T, Hv, Dv] (v's dtype) and the new state.
     """
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    log_g, beta = _apply_mask(log_g, beta, mask)
-    q, k = _expand_heads(q.astype(mx.float32), k.astype(mx.float32), Hv)
-    vf, g = v.astype(mx.float32), mx.exp(log_g)
+    q, k, vf, log_g, beta, state = _delta_prologue(q, k, v, log_g, beta, state, mask)
+    g = mx.exp(log_g)
     ys = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         state = state * g[:, t, :, None, None]
         kv = (state * k[:, t, :, None, :]).sum(-1)  # [B, Hv, Dv]
         delta = (vf[:, t] - kv) * beta[:, t, :, None]
@@ -168,13 +163,9 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size:
     log-decay G: T = (I + strict_tril(beta k k^T * e^{G_i - G_j}))^-1, u = T beta v, w = T beta e^G k,
     v' = u - w S^T, y = e^G q S^T + tril(q k^T e^{G_i - G_j}) v', S <- e^{G_C} S + v'^T (e^{G_C - G} k).
     """
-    B, T, Hk, Dk = q.shape
+    B, T = q.shape[:2]
     Hv, Dv = v.shape[2:]
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    log_g, beta = _apply_mask(log_g, beta, mask)
-    q, k = _expand_heads(q.astype(mx.float32), k.astype(mx.float32), Hv)
-    vf = v.astype(mx.float32)
+    q, k, vf, log_g, beta, state = _delta_prologue(q, k, v, log_g, beta, state, mask)
     C = chunk_size
     pad = (-T) % C
     if pad:
