@@ -26,7 +26,6 @@ from mlx_lm.sample_utils import (
     apply_top_k,
     apply_top_p,
     make_frequency_penalty,
-    make_logits_processors,
     make_presence_penalty,
     make_repetition_penalty,
 )
@@ -117,6 +116,7 @@ class Row:
     key: mx.array
     sampler: Optional[Callable]
     processors: list
+    bias: Optional[mx.array]  # dense logit_bias [V], added to the whole batch at once
     generated: list[int] = field(default_factory=list)
 
 
@@ -143,11 +143,9 @@ def make_row_sampler(p: SamplingParams) -> Optional[Callable]:
 
 
 def make_processors(p: SamplingParams, max_new: int) -> list[tuple[Callable, Optional[int]]]:
-    """(processor, context) pairs: context None = the generated tokens (OpenAI's presence/frequency
-    semantics), an int = that many last tokens of prompt + output (mlx-lm's repetition penalty)."""
+    """mlx-lm's penalty processors as (processor, context) pairs: context None = the generated tokens (OpenAI's
+    presence/frequency semantics), an int = that many last tokens of prompt + output (its repetition penalty)."""
     procs: list[tuple[Callable, Optional[int]]] = []
-    if p.logit_bias:
-        procs.append((make_logits_processors(logit_bias=p.logit_bias)[0], None))
     if p.repetition_penalty != 1.0:
         procs.append((make_repetition_penalty(p.repetition_penalty, p.repetition_context_size), p.repetition_context_size))
     if p.presence_penalty:
@@ -179,6 +177,7 @@ class Engine:
         self._prefill: Optional[Job] = None
         self._rows: list[Row] = []
         self._cache: Optional[list] = None
+        self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
@@ -282,6 +281,7 @@ class Engine:
     def _filter_rows(self, keep: list[int]) -> None:
         if len(keep) == len(self._rows):
             return
+        self._bias = None
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._cache = None
@@ -297,7 +297,7 @@ class Engine:
             req.fail(error)
         self._live.clear()
         self._jobs.clear()
-        self._rows, self._cache, self._prefill = [], None, None
+        self._rows, self._cache, self._bias, self._prefill = [], None, None, None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -357,10 +357,15 @@ class Engine:
         seed = p.seed if p.seed is not None else secrets.randbits(64)
         keys = mx.random.split(mx.random.key(seed % 2**64), len(req.prompts) * n)
         max_new = req.max_new[job.index]
+        bias = None
+        if p.logit_bias:
+            bias = mx.zeros((self.vocab_size,), dtype=mx.float32)
+            bias[mx.array(list(p.logit_bias))] = mx.array(list(p.logit_bias.values()), dtype=mx.float32)
+        self._bias = None
         for j in range(n):
             choice = job.index * n + j
             self._rows.append(Row(req, choice, job.tokens, req.outputs[choice], job.tokens[-1], max_new,
-                                  keys[choice], make_row_sampler(p), make_processors(p, max_new)))
+                                  keys[choice], make_row_sampler(p), make_processors(p, max_new), bias))
 
     def _decode_step(self) -> None:
         rows = self._rows
@@ -381,7 +386,7 @@ class Engine:
             log.exception("decode step failed; failing %d sequences", len(rows))
             for r in rows:
                 r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
-            self._rows, self._cache = [], None
+            self._rows, self._cache, self._bias = [], None, None
             return
         self.metrics.decode_steps.inc()
         self.metrics.completion_tokens.inc(len(rows))
@@ -436,6 +441,11 @@ class Engine:
         return False
 
     def _process(self, rows: list[Row], logits: mx.array) -> mx.array:
+        if any(r.bias is not None for r in rows):
+            if self._bias is None:
+                zero = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+                self._bias = mx.stack([zero if r.bias is None else r.bias for r in rows])
+            logits = logits + self._bias
         if not any(r.processors for r in rows):
             return logits
         out = []
