@@ -35,4 +35,9 @@ template <> LILY_INLINE __nv_bfloat16 lily_cast<__nv_bfloat16>(float v) { return
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
+// Float math at full precision (the DeltaNet gates and norms).
+LILY_INLINE float lily_exp(float v) { return expf(v); }
+LILY_INLINE float lily_log(float v) { return logf(v); }
+LILY_INLINE float lily_rsqrt(float v) { return rsqrtf(v); }
+
 #endif

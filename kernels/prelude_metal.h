@@ -28,4 +28,9 @@ template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
+// exp and rsqrt precise whatever the fast-math setting (DeltaNet gates and norms); log only sees [1, 2].
+LILY_INLINE float lily_exp(float v) { return metal::precise::exp(v); }
+LILY_INLINE float lily_log(float v) { return metal::log(v); }
+LILY_INLINE float lily_rsqrt(float v) { return metal::precise::rsqrt(v); }
+
 #endif

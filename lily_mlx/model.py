@@ -19,7 +19,6 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from . import ops
 from .config import ModelConfig
 from .layers import GatedRMSNorm, Linear, RMSNorm, SwitchLinear
-from .ops import reference
 
 
 class Attention(nn.Module):
@@ -85,21 +84,16 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache[0] if cache is not None and cache[0] is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_width - 1, self.conv_dim), dtype=x.dtype)
-        if mask is not None:
-            qkv = mx.where(mask[..., None], qkv, 0)
         lengths = cache.lengths if cache is not None else None
-        conv_out, conv_state = ops.causal_conv1d(qkv, self.conv1d.weight, conv_state, lengths=lengths)
-        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = reference.l2_normalize(q.reshape(B, T, self.Hk, self.Dk)) * (self.Dk**-0.5)
-        k = reference.l2_normalize(k.reshape(B, T, self.Hk, self.Dk))
-        v = v.reshape(B, T, self.Hv, self.Dv)
-        log_g, beta = reference.deltanet_gates(a, b, self.A_log, self.dt_bias)
         state = cache[1] if cache is not None else None
-        y, state = ops.gated_delta(q, k, v, log_g, beta, state, mask)
+        # One token: the fused decode step where a kernel applies (same composition otherwise).
+        mixer = ops.deltanet_decode_step if T == 1 else ops.deltanet_mix
+        out, conv_state, state = mixer(qkv, z, a, b, self.conv1d.weight, conv_state, self.A_log, self.dt_bias,
+                                       self.norm["weight"], state, num_key_heads=self.Hk, eps=self.norm.eps,
+                                       mask=mask, lengths=lengths)  # out [B, T, Hv, Dv]
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             cache.advance(T)
-        out = self.norm(y, z)  # [B, T, Hv, Dv]
         return self.out_proj(out.reshape(B, T, -1))
 
 

@@ -131,6 +131,40 @@ def gated_delta(q, k, v, log_g, beta, state: Optional[mx.array] = None, mask=Non
     return reference.gated_delta_sequential(q, k, v, log_g, beta, state, mask)
 
 
+def deltanet_mix(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
+                 eps: float, mask=None, lengths=None):
+    """The Gated DeltaNet mixer after its input projections. qkv [B, T, 2*Hk*Dk + Hv*Dv], z [B, T, Hv, Dv],
+    a, b [B, T, Hv]; conv_weight [C, W, 1], conv_state [B, W-1, C]; state [B, Hv, Dv, Dk] float32 or None;
+    mask [B, T] bool; lengths [B] (right-padded rows). Returns (rmsnorm(y) * w * silu(z) [B, T, Hv, Dv],
+    new conv state, new state)."""
+    B, T, Hv, Dv = z.shape
+    key_dim = (qkv.shape[-1] - Hv * Dv) // 2
+    Dk = key_dim // num_key_heads
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_out, conv_state = causal_conv1d(qkv, conv_weight, conv_state, lengths=lengths)
+    q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    q = reference.l2_normalize(q.reshape(B, T, num_key_heads, Dk)) * (Dk**-0.5)
+    k = reference.l2_normalize(k.reshape(B, T, num_key_heads, Dk))
+    v = v.reshape(B, T, Hv, Dv)
+    log_g, beta = reference.deltanet_gates(a, b, A_log, dt_bias)
+    y, state = gated_delta(q, k, v, log_g, beta, state, mask)
+    return gated_rms_norm(y, z, norm_weight, eps), conv_state, state
+
+
+def deltanet_decode_step(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *,
+                         num_key_heads: int, eps: float, mask=None, lengths=None):
+    """deltanet_mix for one token (T = 1): one fused launch where the kernel applies, else the same
+    composition. Right-padded batches (lengths) always take the composition."""
+    if lengths is None:
+        out = _try("deltanet_step", qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                   num_key_heads=num_key_heads, eps=eps, mask=mask)
+        if out is not None:
+            return out
+    return deltanet_mix(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                        num_key_heads=num_key_heads, eps=eps, mask=mask, lengths=lengths)
+
+
 def rope(x, dims: int, base: float, offset) -> mx.array:
     return reference.rope(x, dims, base, offset)
 
@@ -150,3 +184,4 @@ def moe_route(logits, top_k: int, normalize: bool):
 
 # Kernel modules register themselves on import; they need register_kernel above.
 from . import qmv as _qmv  # noqa: E402,F401
+from . import deltanet_step as _deltanet_step  # noqa: E402,F401

@@ -1,0 +1,185 @@
+"""deltanet_step: one Gated DeltaNet decode token in ONE launch.
+
+Conv1d state shift + depthwise conv + SiLU over the head's q/k/v channels, q/k L2 norms, the gates
+g and beta, the delta-rule update of the float32 state and the gated RMSNorm: the body is
+kernels/deltanet_step.inc (CUDA and Metal). This module checks that the kernel applies (else the
+dispatcher runs the reference composition), picks the launch shape and registers switch
+"deltanet_step", default off until it has passed on GPU hardware.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Optional
+
+import mlx.core as mx
+
+from . import kernels, register_kernel
+
+ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+MAX_HEAD_DIM = 256  # Dk, Dv: the state rows a warp holds in registers are sized for this
+MAX_CONV_WIDTH = 8
+STATE_REGS = 64  # floats of state one lane holds per pass over its rows
+
+SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS")
+
+_ALWAYS = None  # the unread mask input of an unmasked call (one constant array, made on first use)
+
+
+def plan(Dk: int, Dv: int) -> dict:
+    """WARPS warps per block over the Dv state rows (about 8 rows each), RB rows per warp per pass."""
+    warps = min(16, -(-Dv // 8))
+    rows = -(-Dv // warps)
+    rb = max(1, min(rows, STATE_REGS // -(-Dk // 32)))
+    return {"WARPS": warps, "RB": rb}
+
+
+def eps_bits(eps: float) -> int:
+    """The float32 bit pattern of eps > 0 (a template argument is an integer)."""
+    return struct.unpack("<I", struct.pack("<f", eps))[0]
+
+
+def unsupported(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
+                mask=None) -> Optional[str]:
+    """Why the kernel does not apply to these arguments (None when it does)."""
+    if qkv.ndim != 3 or qkv.shape[1] != 1 or z.ndim != 4 or z.shape[:2] != qkv.shape[:2]:
+        return "shapes: qkv [B, 1, C] and z [B, 1, Hv, Dv] expected"
+    B, _, Cc = qkv.shape
+    Hv, Dv = z.shape[2:]
+    Hk = num_key_heads
+    if Hk <= 0 or Hv % Hk or (Cc - Hv * Dv) % (2 * Hk) or Cc <= Hv * Dv:
+        return f"heads: qkv width {Cc}, Hv={Hv}, Dv={Dv}, Hk={Hk}"
+    Dk = (Cc - Hv * Dv) // (2 * Hk)
+    if not (1 <= Dk <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
+        return f"head dims Dk={Dk}, Dv={Dv} beyond {MAX_HEAD_DIM}"
+    if conv_weight.ndim != 3 or conv_weight.shape[0] != Cc or conv_weight.shape[2] != 1:
+        return f"conv weight shape {conv_weight.shape}"
+    W = conv_weight.shape[1]
+    if not 2 <= W <= MAX_CONV_WIDTH or conv_state.shape != (B, W - 1, Cc):
+        return f"conv width {W} / conv state shape {conv_state.shape}"
+    if a.shape != (B, 1, Hv) or b.shape != (B, 1, Hv) or A_log.shape != (Hv,) or dt_bias.shape != (Hv,):
+        return "gate shapes"
+    if norm_weight.shape != (Dv,):
+        return "norm weight shape"
+    if state is not None and (state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32):
+        return "state: float32 [B, Hv, Dv, Dk] expected"
+    if mask is not None and (mask.shape != (B, 1) or mask.dtype != mx.bool_):
+        return "mask: bool [B, 1] expected"
+    dt = qkv.dtype
+    if dt not in ACT_DTYPES or any(x.dtype != dt for x in (z, a, b, conv_state)):
+        return "dtypes: qkv, z, a, b and the conv state must share one float dtype"
+    if any(x.dtype not in ACT_DTYPES for x in (conv_weight, A_log, dt_bias, norm_weight)):
+        return "parameter dtypes"
+    if not eps > 0.0:
+        return f"eps {eps}"
+    if B * Hv * Dv * Dk >= 2**31 or B * W * Cc >= 2**31:
+        return "int32 indexing"
+    return None
+
+
+def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int, Hk: int, Hv: int, Dk: int, Dv: int,
+             W: int, masked: bool, eps: float, launch: Optional[dict] = None) -> kernels.Instance:
+    p = launch or plan(Dk, Dv)
+    C = 2 * Hk * Dk + Hv * Dv
+    template = (("T", dtype), ("TW", weight_dtype), ("TA", alog_dtype), ("TD", dt_bias_dtype), ("TN", norm_dtype),
+                ("HK", Hk), ("HV", Hv), ("DK", Dk), ("DV", Dv), ("W", W), ("WARPS", p["WARPS"]), ("RB", p["RB"]),
+                ("MASKED", bool(masked)), ("EPS_BITS", eps_bits(eps)))
+    inputs = ((dtype, (B, 1, C)), (dtype, (B, 1, Hv, Dv)), (dtype, (B, 1, Hv)), (dtype, (B, 1, Hv)),
+              (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)), (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)),
+              (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)), (mx.bool_, (B, 1) if masked else (1,)))
+    return kernels.Instance(template, inputs, (dtype, dtype, mx.float32))
+
+
+_LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup) or None (not applicable)
+
+
+def _launch(args, num_key_heads, eps, mask, launch):
+    key = (tuple((x.shape, x.dtype) for x in args if x is not None), args[-1] is None, num_key_heads, eps,
+           None if mask is None else mask.shape, None if launch is None else tuple(sorted(launch.items())))
+    hit = _LAUNCH.get(key, False)
+    if hit is not False:
+        return hit
+    out = None
+    if unsupported(*args, num_key_heads, eps, mask) is None:
+        qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
+        B, Hv, Dv, W = qkv.shape[0], z.shape[2], z.shape[3], conv_weight.shape[1]
+        Dk = (qkv.shape[2] - Hv * Dv) // (2 * num_key_heads)
+        p = launch or plan(Dk, Dv)
+        inst = instance(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, B,
+                        num_key_heads, Hv, Dk, Dv, W, mask is not None, eps, p)
+        threads = 32 * p["WARPS"]
+        out = (list(inst.template), (B * Hv * threads, 1, 1), (threads, 1, 1))
+    _LAUNCH[key] = out
+    return out
+
+
+def deltanet_step(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
+                  eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None):
+    """One decode token: (out [B, 1, Hv, Dv] in qkv's dtype, new conv state [B, W-1, C], new state
+    [B, Hv, Dv, Dk] float32), or None when the kernel does not apply. state None means zeros;
+    mask [B, 1] bool marks real tokens (a masked row leaves the state unchanged)."""
+    global _ALWAYS
+    args = (qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
+    plan_ = _launch(args, num_key_heads, eps, mask, launch)
+    if plan_ is None:
+        return None
+    template, grid, group = plan_
+    B, _, Cc = qkv.shape
+    Hv, Dv = z.shape[2:]
+    Dk = (Cc - Hv * Dv) // (2 * num_key_heads)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if mask is None:
+        if _ALWAYS is None:
+            _ALWAYS = mx.array([True])
+        mask = _ALWAYS
+    inputs = [qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, mask]
+    shapes = [(B, 1, Hv, Dv), conv_state.shape, (B, Hv, Dv, Dk)]
+    return tuple(kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
+                              [qkv.dtype, qkv.dtype, mx.float32], init_value))
+
+
+# (Hk, Hv, Dk, Dv) the project runs: Qwen3.5/3.6-35B-A3B, the embedded lily-tiny, tests/tiny.py.
+MODEL_HEADS = ((16, 32, 128, 128), (2, 4, 32, 48), (2, 4, 16, 24))
+# Shapes of the kernel tests (odd Dk/Dv, Hk != Hv) and the largest head dims.
+TEST_HEADS = ((1, 3, 64, 32), (2, 6, 48, 40), (1, 2, 256, 256), (2, 4, 256, 32), (1, 1, 32, 256))
+
+
+def _instances() -> list[kernels.Instance]:
+    f32, bf16, f16 = mx.float32, mx.bfloat16, mx.float16
+    eps = 1e-6
+    combos = []
+    for heads in MODEL_HEADS:
+        for masked in (False, True):
+            combos += [(f32, f32, f32, f32, f32, 1, *heads, 4, masked, eps),
+                       (bf16, bf16, f32, bf16, bf16, 1, *heads, 4, masked, eps),
+                       (f16, f16, f32, f16, f16, 1, *heads, 4, masked, eps)]
+    for heads in TEST_HEADS:
+        combos += [(f32, f32, f32, f32, f32, 3, *heads, 4, False, eps), (bf16, f32, bf16, f32, bf16, 3, *heads, 4, True, 1e-5)]
+    combos.append((bf16, bf16, bf16, bf16, bf16, 3, 1, 3, 64, 32, 2, True, eps))  # conv width 2
+    seen, out = set(), []
+    for c in combos:
+        inst = instance(*c)
+        key = (inst.template, tuple(d for d, _ in inst.inputs))
+        if key not in seen:
+            seen.add(key)
+            out.append(inst)
+    return out
+
+
+SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="deltanet_step", body="deltanet_step.inc",
+    input_names=("qkv", "z", "a", "b", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
+    output_names=("out", "conv_state_out", "state_out"), template_params=SPEC_PARAMS,
+    description="Gated DeltaNet decode step (conv, norms, gates, state update, gated RMSNorm) in one launch",
+    instances=_instances,
+))
+
+
+def _dispatch(*args, **kwargs):
+    from . import backend
+
+    return deltanet_step(*args, backend=backend(), **kwargs)
+
+
+register_kernel("deltanet_step", SPEC.description, _dispatch, default_on=False)
