@@ -8,6 +8,7 @@
 #define LILY_INLINE inline
 #define LILY_SHARED threadgroup
 #define LILY_UNROLL _Pragma("clang loop unroll(full)")
+#define LILY_THREAD thread  // pointers to a thread's own registers/arrays
 
 #define LILY_LDG_U4(ptr, idx) (reinterpret_cast<const device uint4*>(ptr)[(idx)])
 #define LILY_U4_ZERO uint4(0u)

@@ -144,11 +144,32 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: Optional[mx.array] = None) -> mx.array:
+        """x [..., H] -> the MoE output, plus `residual` when given (then fused for a few tokens)."""
         inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)  # [..., k]
+        # Below SwitchGLU's sorting threshold the fused ops' fallback is the very same unsorted gather.
+        if residual is not None and inds.size < 64 and residual.dtype == x.dtype and self._quantized_alike():
+            return self._fused(x, inds, scores, residual)
         y = self.switch_mlp(x, inds)  # [..., k, H]
         y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
-        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y if residual is None else residual + y
+
+    def _projections(self):
+        sw, se = self.switch_mlp, self.shared_expert
+        return sw.gate_proj, sw.up_proj, sw.down_proj, se.gate_proj, se.up_proj, se.down_proj
+
+    def _quantized_alike(self) -> bool:
+        first = self.switch_mlp.gate_proj
+        return all("scales" in l and "bias" not in l and (l.group_size, l.bits) == (first.group_size, first.bits)
+                   for l in self._projections())
+
+    def _fused(self, x, inds, scores, residual):
+        """This block plus the residual add through ops.moe_gate_up / ops.moe_down_combine (two launches where enabled)."""
+        wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
+        q = {"group_size": self.switch_mlp.gate_proj.group_size, "bits": self.switch_mlp.gate_proj.bits}
+        h, hs = ops.moe_gate_up(x, inds, wg, wu, sg, su, **q)  # [..., k, I], [..., Is]
+        return ops.moe_down_combine(h, hs, inds, scores, self.shared_expert_gate(x), wd, sd, residual, **q)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +187,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.mlp(self.post_attention_layernorm(h), residual=h)  # h + moe(norm(h))
 
 
 class TextModel(nn.Module):

@@ -182,6 +182,30 @@ def moe_route(logits, top_k: int, normalize: bool):
     return reference.moe_route(logits, top_k, normalize)
 
 
+def moe_gate_up(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int):
+    """SwiGLU of each token's top-k experts and of the shared expert (decode). x [..., H], inds [..., k];
+    gate, up: (w [E, I, H*bits/32], scales, biases [E, I, H/group]); shared_gate, shared_up: the same
+    without E, for [Is, H]. Returns (h [..., k, I], hs [..., Is])."""
+    out = _try("moe_gate_up", x, inds, gate, up, shared_gate, shared_up, group_size=group_size, bits=bits)
+    if out is not None:
+        return out
+    return _moe.gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, group_size=group_size, bits=bits)
+
+
+def moe_down_combine(h, hs, inds, scores, shared_gate_logit, down, shared_down, residual, *, group_size: int,
+                     bits: int):
+    """residual + sum_j scores_j (h_j Wd[inds_j]^T) + sigmoid(shared_gate_logit) (hs Wsd^T), in residual's dtype.
+    h [..., k, I], hs [..., Is], inds and scores [..., k], shared_gate_logit [..., 1], residual [..., H];
+    down: (w [E, H, I*bits/32], scales, biases); shared_down: the same for [H, Is]."""
+    out = _try("moe_down_combine", h, hs, inds, scores, shared_gate_logit, down, shared_down, residual,
+               group_size=group_size, bits=bits)
+    if out is not None:
+        return out
+    return _moe.down_combine_unfused(h, hs, inds, scores, shared_gate_logit, down, shared_down, residual,
+                                     group_size=group_size, bits=bits)
+
+
 # Kernel modules register themselves on import; they need register_kernel above.
 from . import qmv as _qmv  # noqa: E402,F401
+from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401

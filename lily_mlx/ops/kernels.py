@@ -3,8 +3,9 @@
 Each kernel is ONE body, kernels/<name>.inc, shared by CUDA and Metal. A backend's face is a
 header (kernels/prelude_<backend>.h: macros and inline functions for barriers, shuffles, loads,
 conversions) and an entry snippet (kernels/entry_<backend>.inc: the launch indices, declared at the
-top of the body). The wheel carries kernels/ as lily_mlx/kernels (pyproject's force-include);
-a source checkout reads the repository's kernels/ directly.
+top of the body). kernels/prelude_common.h follows the backend header: helpers written only in its
+names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ as lily_mlx/kernels
+(pyproject's force-include); a source checkout reads the repository's kernels/ directly.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _check_backend(backend: str) -> None:
 
 def header(backend: str) -> str:
     _check_backend(backend)
-    return read_source(f"prelude_{backend}.h")
+    return read_source(f"prelude_{backend}.h") + read_source("prelude_common.h")
 
 
 def body(spec: KernelSpec, backend: str) -> str:

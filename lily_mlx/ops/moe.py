@@ -1,0 +1,329 @@
+"""The fused MoE decode path: two launches per MoE block for a few tokens (M <= 8).
+
+moe_gate_up (kernels/moe_gate_up.inc): silu(x Wg^T) * (x Wu^T) for each token's top-k experts
+and the shared expert. moe_down_combine (kernels/moe_down_combine.inc): the down projections, the
+routing-weighted sum, the sigmoid-gated shared expert and the residual add. Expert ids are read on
+the GPU. One body per kernel for CUDA and Metal. This module plans launches, checks that a kernel
+applies (else the dispatcher runs the unfused ops, which are exactly what the model ran before),
+and registers both switches off by default: they have not run on GPU hardware yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import gather_matmul, kernels, metal_source, quantized_matmul, register_kernel
+
+MAX_M = 8  # tokens; beyond this the weights are re-read per token and MLX's gather_qmm wins
+MAX_K = 16
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+X_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+SCALE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+INDEX_DTYPES = (mx.int32, mx.uint32)  # moe_route's argpartition gives uint32
+STAGE_BUDGET = 6144  # floats one block stages in shared memory (24 KB, under Metal's 32 KB)
+MAX_INFLIGHT = 32  # 16-byte weight chunks a lane holds before computing (registers)
+MIN_BLOCKS = 256  # fewer jobs than this: shrink the blocks so the GPU fills
+GATE_UP_PARAMS = ("BITS", "GS", "H", "I", "IS", "K", "M", "LANES", "RPS", "WARPS")
+DOWN_PARAMS = ("T", "BITS", "GS", "H", "I", "IS", "K", "M", "LANES", "RPS", "WARPS")
+
+
+def _lanes(*chunks: int) -> int:
+    """Lanes per row: the largest power of two <= 32 dividing every row's 16-byte chunk count."""
+    lanes = 32
+    while lanes > 1 and any(c % lanes for c in chunks):
+        lanes //= 2
+    return lanes
+
+
+def _shrink(blocks, rps: int, warps: int) -> tuple[int, int]:
+    # Fewer rows per block until the GPU has MIN_BLOCKS jobs; keep >= 4 warps (x staging, qmv NOTES).
+    while rps > 1 and blocks(rps, warps) < MIN_BLOCKS:
+        rps //= 2
+    while warps > 4 and blocks(rps, warps) < MIN_BLOCKS:
+        warps //= 2
+    return rps, warps
+
+
+def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[int] = None,
+                 warps: Optional[int] = None) -> dict:
+    """Launch shape; `rps` and `warps` given (tests) are taken as they are."""
+    chunks = H * bits // 128
+    lanes = _lanes(chunks)
+    cpl, sub = chunks // lanes, 32 // lanes
+
+    def blocks(r, w):
+        rb = w * sub * r
+        return M * K * -(-I // rb) + M * -(-IS // rb)
+
+    if rps is None or warps is None:
+        rps, warps = _shrink(blocks, max(1, min(4, 4 // cpl)), 8)  # <= 8 chunks of gate + up in flight per lane
+    return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps)}
+
+
+def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[int] = None,
+              warps: Optional[int] = None) -> dict:
+    """Launch shape; `rps` and `warps` given (tests) are taken as they are."""
+    ci, cs = I * bits // 128, IS * bits // 128
+    lanes = _lanes(ci, cs)
+    per_row = K * (ci // lanes) + cs // lanes  # chunks in flight per lane per output row
+    sub = 32 // lanes
+
+    def blocks(r, w):
+        return M * -(-H // (w * sub * r))
+
+    if rps is None or warps is None:
+        rps, warps = _shrink(blocks, max(1, min(4, 16 // per_row)), 8)
+    return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps), "inflight": per_row * rps}
+
+
+def _quant_shapes_ok(q, rows: int, K: int, bits: int, group_size: int, experts: Optional[int]) -> bool:
+    """(w, scales, biases) of a [rows, K] weight, stacked over `experts` when given."""
+    w, s, b = q
+    lead = () if experts is None else (experts,)
+    return (w.dtype == mx.uint32 and w.shape == (*lead, rows, K * bits // 32) and b is not None
+            and s.shape == (*lead, rows, K // group_size) and b.shape == s.shape
+            and s.dtype in SCALE_DTYPES and b.dtype in SCALE_DTYPES)
+
+
+def unsupported_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size: int, bits: int) -> Optional[str]:
+    """Why moe_gate_up does not apply to these arguments (None when it does)."""
+    if bits not in BITS:
+        return f"bits={bits} (kernel has {BITS})"
+    if group_size not in GROUP_SIZES:
+        return f"group_size={group_size} (kernel has {GROUP_SIZES})"
+    if x.dtype not in X_DTYPES or inds.dtype not in INDEX_DTYPES:
+        return "dtypes"
+    if x.ndim < 1 or inds.ndim < 1 or inds.shape[:-1] != x.shape[:-1] or gate[0].ndim != 3 or shared_gate[0].ndim != 2:
+        return "shapes"
+    H, K = x.shape[-1], inds.shape[-1]
+    E, I, IS = gate[0].shape[0], gate[0].shape[1], shared_gate[0].shape[0]
+    if H % group_size or not all(_quant_shapes_ok(q, I, H, bits, group_size, E) for q in (gate, up)):
+        return "shapes"
+    if not all(_quant_shapes_ok(q, IS, H, bits, group_size, None) for q in (shared_gate, shared_up)):
+        return "shapes"
+    scales = [a for q in (gate, up, shared_gate, shared_up) for a in q[1:]]
+    if len({a.dtype for a in scales}) != 1:
+        return "dtypes: the kernel picks expert or shared scales through one pointer type"
+    if min(a.size for a in scales) < metal_source.MAX_CONSTANT_ARRAY_SIZE:
+        return "shapes: scales this small are in Metal's constant address space"
+    if x.size == 0 or x.size // H > MAX_M or not 1 <= K <= MAX_K:
+        return f"tokens {x.size // max(H, 1)} > {MAX_M} or top-k {K} > {MAX_K}"
+    if H > STAGE_BUDGET:
+        return f"hidden size {H} > {STAGE_BUDGET} staged floats"
+    return None
+
+
+def unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size: int,
+                     bits: int) -> Optional[str]:
+    """Why moe_down_combine does not apply to these arguments (None when it does)."""
+    if bits not in BITS:
+        return f"bits={bits} (kernel has {BITS})"
+    if group_size not in GROUP_SIZES:
+        return f"group_size={group_size} (kernel has {GROUP_SIZES})"
+    floats = (mx.float32, mx.bfloat16, mx.float16)
+    if (residual.dtype not in X_DTYPES or inds.dtype not in INDEX_DTYPES
+            or any(a.dtype not in floats for a in (h, hs, scores, gate_logit))):
+        return "dtypes"
+    if residual.ndim < 1 or inds.ndim < 1 or down[0].ndim != 3 or shared_down[0].ndim != 2:
+        return "shapes"
+    lead, H, K = residual.shape[:-1], residual.shape[-1], inds.shape[-1]
+    E, I, IS = down[0].shape[0], h.shape[-1], hs.shape[-1]
+    if (inds.shape[:-1] != lead or scores.shape != inds.shape or h.shape != (*lead, K, I)
+            or hs.shape != (*lead, IS) or gate_logit.shape != (*lead, 1)):
+        return "shapes"
+    if I % group_size or IS % group_size or not _quant_shapes_ok(down, H, I, bits, group_size, E):
+        return "shapes"
+    if not _quant_shapes_ok(shared_down, H, IS, bits, group_size, None):
+        return "shapes"
+    M = residual.size // max(H, 1)
+    if residual.size == 0 or M > MAX_M or not 1 <= K <= MAX_K:
+        return f"tokens {M} > {MAX_M} or top-k {K} > {MAX_K}"
+    if K * I + IS > STAGE_BUDGET:
+        return f"k*I + Is = {K * I + IS} > {STAGE_BUDGET} staged floats"
+    if plan_down(M, K, H, I, IS, bits)["inflight"] > MAX_INFLIGHT:
+        return f"more than {MAX_INFLIGHT} weight chunks in flight per lane"
+    return None
+
+
+def gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, inds_dtype=mx.int32,
+                     plan: Optional[dict] = None) -> kernels.Instance:
+    p = plan or plan_gate_up(M, K, H, I, IS, bits)
+    template = (("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS), ("K", K), ("M", M),
+                ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+    w, s = (mx.uint32, (E, I, H * bits // 32)), (scale_dtype, (E, I, H // group_size))
+    sw, ss = (mx.uint32, (IS, H * bits // 32)), (scale_dtype, (IS, H // group_size))
+    inputs = ((x_dtype, (M, H)), (inds_dtype, (M, K)), w, s, s, w, s, s, sw, ss, ss, sw, ss, ss)
+    return kernels.Instance(template, inputs, (mx.float32, mx.float32))
+
+
+def down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, h_dtype=mx.float32,
+                  inds_dtype=mx.int32, logit_dtype=None, plan: Optional[dict] = None) -> kernels.Instance:
+    p = plan or plan_down(M, K, H, I, IS, bits)
+    template = (("T", x_dtype), ("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS), ("K", K),
+                ("M", M), ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+    inputs = ((h_dtype, (M, K, I)), (h_dtype, (M, IS)), (inds_dtype, (M, K)), (mx.float32, (M, K)),
+              (logit_dtype or x_dtype, (M, 1)), (mx.uint32, (E, H, I * bits // 32)),
+              (scale_dtype, (E, H, I // group_size)), (scale_dtype, (E, H, I // group_size)),
+              (mx.uint32, (H, IS * bits // 32)), (scale_dtype, (H, IS // group_size)),
+              (scale_dtype, (H, IS // group_size)), (x_dtype, (M, H)))
+    return kernels.Instance(template, inputs, (x_dtype,))
+
+
+_LAUNCH: dict = {}  # argument signature -> launch tuple, or None (not applicable)
+
+
+def _signature(*arrays) -> tuple:
+    return tuple((a.shape, a.dtype) for a in arrays)
+
+
+def _launch_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size: int, bits: int):
+    # Decode calls the same few shapes thousands of times: plan once per signature.
+    key = ("gate_up", _signature(x, inds, *gate, *up, *shared_gate, *shared_up), group_size, bits)
+    hit = _LAUNCH.get(key, False)
+    if hit is not False:
+        return hit
+    launch = None
+    if unsupported_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size, bits) is None:
+        H, K = x.shape[-1], inds.shape[-1]
+        M, (E, I, _), IS = x.size // H, gate[0].shape, shared_gate[0].shape[0]
+        p = plan_gate_up(M, K, H, I, IS, bits)
+        inst = gate_up_instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size)
+        threads = 32 * p["WARPS"]
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, K, H, I, IS)
+    _LAUNCH[key] = launch
+    return launch
+
+
+def gate_up(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int, backend: str,
+            init_value: Optional[float] = None):
+    """x [..., H], inds [..., k] -> (h [..., k, I], hs [..., Is]) float32; None if not applicable."""
+    launch = _launch_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size, bits)
+    if launch is None:
+        return None
+    template, grid, group, M, K, H, I, IS = launch
+    inputs = [x.reshape(M, H), inds.reshape(M, K), *gate, *up, *shared_gate, *shared_up]
+    h, hs = kernels.call("moe_gate_up", backend, inputs, template, grid, group, [(M, K, I), (M, IS)],
+                         [mx.float32, mx.float32], init_value)
+    lead = x.shape[:-1]
+    return h.reshape(*lead, K, I), hs.reshape(*lead, IS)
+
+
+def _launch_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size: int, bits: int):
+    key = ("down", _signature(h, hs, inds, scores, gate_logit, *down, *shared_down, residual), group_size, bits)
+    hit = _LAUNCH.get(key, False)
+    if hit is not False:
+        return hit
+    launch = None
+    if unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size, bits) is None:
+        H, K, I, IS = residual.shape[-1], inds.shape[-1], h.shape[-1], hs.shape[-1]
+        M, E = residual.size // H, down[0].shape[0]
+        p = plan_down(M, K, H, I, IS, bits)
+        inst = down_instance(residual.dtype, down[1].dtype, M, K, E, H, I, IS, bits, group_size)
+        threads = 32 * p["WARPS"]
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, K, H, I, IS)
+    _LAUNCH[key] = launch
+    return launch
+
+
+def down_combine(h, hs, inds, scores, gate_logit, down, shared_down, residual, *, group_size: int, bits: int,
+                 backend: str, init_value: Optional[float] = None):
+    """-> [..., H] in residual's dtype (see ops.moe_down_combine); None if not applicable."""
+    launch = _launch_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size, bits)
+    if launch is None:
+        return None
+    template, grid, group, M, K, H, I, IS = launch
+    inputs = [h.reshape(M, K, I), hs.reshape(M, IS), inds.reshape(M, K), scores.reshape(M, K),
+              gate_logit.reshape(M, 1), *down, *shared_down, residual.reshape(M, H)]
+    (y,) = kernels.call("moe_down_combine", backend, inputs, template, grid, group, [(M, H)], [residual.dtype],
+                        init_value)
+    return y.reshape(residual.shape)
+
+
+def gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int):
+    """The ops SwitchGLU (unsorted gather) and MLP ran before the fused path, in the same order."""
+    q = {"group_size": group_size, "bits": bits}
+    xe = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
+    g = gather_matmul(xe, gate[0], inds, scales=gate[1], biases=gate[2], **q)  # [..., k, 1, I]
+    u = gather_matmul(xe, up[0], inds, scales=up[1], biases=up[2], **q)
+    hs = nn.silu(quantized_matmul(x, *shared_gate, **q)) * quantized_matmul(x, *shared_up, **q)  # [..., Is]
+    return (nn.silu(g) * u).squeeze(-2), hs
+
+
+def down_combine_unfused(h, hs, inds, scores, gate_logit, down, shared_down, residual, *, group_size: int, bits: int):
+    """The ops SwitchGLU, SparseMoeBlock and the decoder layer's residual add ran before, in the same order."""
+    q = {"group_size": group_size, "bits": bits}
+    y = gather_matmul(mx.expand_dims(h, -2), down[0], inds, scales=down[1], biases=down[2], **q).squeeze(-2)  # [..., k, H]
+    y = (y * scores[..., None]).sum(axis=-2).astype(residual.dtype)
+    y = y + mx.sigmoid(gate_logit) * quantized_matmul(hs, *shared_down, **q)
+    return residual + y
+
+
+# (E, H, I, Is, k) of Qwen3.5/3.6-35B-A3B's MoE, then small odd shapes (lanes 1/2/4/8/16/32, Is != I).
+MODEL_SHAPES = ((256, 2048, 512, 512, 8),)
+SMALL_SHAPES = ((5, 64, 32, 96, 2), (7, 96, 64, 32, 2), (5, 128, 64, 128, 2), (7, 2048, 64, 32, 2), (5, 256, 128, 256, 3))
+
+
+def _unique(insts: list) -> list:
+    seen, out = set(), []
+    for inst in insts:
+        key = (inst.template, inst.inputs)
+        if key not in seen:
+            seen.add(key)
+            out.append(inst)
+    return out
+
+
+def _combos():
+    out = [(t, mx.bfloat16, M, k, E, H, I, IS, 4, 64) for (E, H, I, IS, k) in MODEL_SHAPES for M in (1, 2, 3, 4, 8)
+           for t in ((mx.bfloat16, mx.float16, mx.float32) if M == 1 else (mx.bfloat16,))]
+    out += [(t, mx.bfloat16, M, k, E, H, I, IS, b, g) for (E, H, I, IS, k) in SMALL_SHAPES for M in (1, 3)
+            for t in (mx.float32, mx.bfloat16) for b in BITS for g in GROUP_SIZES
+            if H % g == 0 and I % g == 0 and IS % g == 0]
+    return out
+
+
+def _gate_up_instances() -> list[kernels.Instance]:
+    return _unique([gate_up_instance(*c) for c in _combos()])
+
+
+def _down_instances() -> list[kernels.Instance]:
+    insts = [down_instance(*c) for c in _combos()]
+    insts.append(down_instance(mx.bfloat16, mx.bfloat16, 1, 8, 256, 2048, 512, 512, 4, 64, h_dtype=mx.bfloat16,
+                               inds_dtype=mx.uint32, logit_dtype=mx.bfloat16))  # unfused h, moe_route's uint32 ids
+    return _unique(insts)
+
+
+GATE_UP_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_gate_up", body="moe_gate_up.inc",
+    input_names=("x", "inds", "wg", "sg", "bg", "wu", "su", "bu", "swg", "ssg", "sbg", "swu", "ssu", "sbu"),
+    output_names=("h", "hs"), template_params=GATE_UP_PARAMS,
+    description="fused MoE gate/up + SwiGLU of the top-k and shared experts, M <= 8 tokens (decode)",
+    instances=_gate_up_instances,
+))
+DOWN_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_down_combine", body="moe_down_combine.inc",
+    input_names=("h", "hs", "inds", "weights", "shared_gate", "wd", "sd", "bd", "swd", "ssd", "sbd", "residual"),
+    output_names=("y",), template_params=DOWN_PARAMS,
+    description="fused MoE down projections + top-k combine + gated shared expert + residual, M <= 8 tokens (decode)",
+    instances=_down_instances,
+))
+
+
+def _dispatch_gate_up(*args, **kwargs):
+    from . import backend
+
+    return gate_up(*args, **kwargs, backend=backend())
+
+
+def _dispatch_down(*args, **kwargs):
+    from . import backend
+
+    return down_combine(*args, **kwargs, backend=backend())
+
+
+register_kernel("moe_gate_up", GATE_UP_SPEC.description, _dispatch_gate_up, default_on=False)
+register_kernel("moe_down_combine", DOWN_SPEC.description, _dispatch_down, default_on=False)
