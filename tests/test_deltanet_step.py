@@ -9,6 +9,7 @@ the same checks through MLX, the model's shape, and whole-model logits with the 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -217,13 +218,24 @@ def test_deltanet_step_metal(case):
     _gpu_steps("metal", case)
 
 
+@contextmanager
+def _switch(on: bool):
+    """deltanet_step forced on or off, the switches as they were afterwards."""
+    before = set(ops._disabled), set(ops._opted_in)
+    ops.set_enabled("deltanet_step", on)
+    try:
+        yield
+    finally:
+        ops._disabled.clear(), ops._opted_in.clear()
+        ops._disabled.update(before[0]), ops._opted_in.update(before[1])
+
+
 def _model_on_vs_off():
     model, _ = lily_mlx.load_model(EMBEDDED_MODEL)
     prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12], [3, 1, 4, 1, 5, 9, 2, 6]])
     runs = []
     for on in (False, True):
-        ops.set_enabled("deltanet_step", on)
-        try:
+        with _switch(on):
             cache = model.make_cache()
             logits = [model(prompt, cache=cache)[:, -1, :]]
             tok = mx.argmax(logits[-1], axis=-1)[:, None]
@@ -233,8 +245,6 @@ def _model_on_vs_off():
                 tok = mx.argmax(logits[-1], axis=-1)[:, None]
                 toks.append(tok)
             runs.append((mx.stack(logits).astype(F32), mx.concatenate(toks, axis=1)))
-        finally:
-            ops.set_enabled("deltanet_step", False)
     (l_off, t_off), (l_on, t_on) = runs
     assert _rel(l_on, l_off) < 1e-4, f"decode logits with the kernel: rel err {_rel(l_on, l_off):.2e}"
     assert mx.array_equal(t_on, t_off).item(), "64 greedy tokens differ with the kernel on"
@@ -324,15 +334,14 @@ def test_dispatch_default_off_cpu_fallback_and_lengths(monkeypatch):
     case = Case(1, 2, 4, 32, 48)
     params, (conv_state, state), tok = case.params(0), case.initial(0), case.token(0, 0)
     args = (*tok[:4], params[0], conv_state, *params[1:], state)
-    ops.set_enabled("deltanet_step", True)
-    try:
+    with _switch(True):
         ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6)  # CPU: the reference composition
         monkeypatch.setattr(ops, "backend", lambda: "cuda")
         ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6, lengths=mx.array([1]))  # right padding: reference
         with pytest.raises(AssertionError, match="dispatched"):
             ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6)
-    finally:
-        ops.set_enabled("deltanet_step", False)
+    with _switch(False):
+        ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6)  # switched off: reference
 
 
 def test_unsupported_arguments_are_declined():
