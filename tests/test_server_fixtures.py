@@ -4,10 +4,8 @@ with thinking and qwen3_coder-style tool calls (so mlx-lm infers its qwen3_coder
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
     "Call a tool as:\n<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
@@ -31,21 +29,9 @@ CORPUS = [
 
 
 def write_tokenizer(path: Path, vocab_size: int = 400) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import tiny
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096,
-    }))
-    return path
+    return tiny.write_tokenizer(path, vocab_size, corpus=CORPUS * 20, chat_template=CHAT_TEMPLATE)
 
 
 def build_tiny_checkpoint(path: Path) -> Path:

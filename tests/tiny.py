@@ -154,22 +154,26 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(path: Path, vocab_size: int = 500) -> None:
-    """A byte-level BPE tokenizer trained here with `tokenizers`, with Qwen's special tokens and chat template."""
+def write_tokenizer(path: Path, vocab_size: int = 500, corpus=None, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE tokenizer trained here with `tokenizers`, with Qwen's special tokens and a chat template."""
     import inspect
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [inspect.getdoc(obj) or "" for obj in (json, shutil, Path, dict, list, str, int, open, zip, map)]
+    if corpus is None:
+        corpus = [inspect.getdoc(obj) or "" for obj in (json, shutil, Path, dict, list, str, int, open, zip, map)] * 4
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
-    tok.train_from_iterator(corpus * 4, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template,
+        model_max_length=4096,
     )
     fast.save_pretrained(str(path))
+    return path
