@@ -157,14 +157,7 @@ def _instances() -> list[kernels.Instance]:
     for heads in TEST_HEADS:
         combos += [(f32, f32, f32, f32, f32, 3, *heads, 4, False, eps), (bf16, f32, bf16, f32, bf16, 3, *heads, 4, True, 1e-5)]
     combos.append((bf16, bf16, bf16, bf16, bf16, 3, 1, 3, 64, 32, 2, True, eps))  # conv width 2
-    seen, out = set(), []
-    for c in combos:
-        inst = instance(*c)
-        key = (inst.template, tuple(d for d, _ in inst.inputs))
-        if key not in seen:
-            seen.add(key)
-            out.append(inst)
-    return out
+    return kernels.unique_instances((instance(*c) for c in combos), key=kernels.source_key)
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(

@@ -78,6 +78,22 @@ class KernelSpec:
 SPECS: dict[str, KernelSpec] = {}
 
 
+def source_key(inst: Instance):
+    """What an instance's source depends on besides shapes: its template and input dtypes."""
+    return inst.template, tuple(d for d, _ in inst.inputs)
+
+
+def unique_instances(insts, key: Callable[[Instance], object] = lambda i: (i.template, i.inputs)) -> list[Instance]:
+    """The first instance of each key, in order (compile checks need each distinct source once)."""
+    seen, out = set(), []
+    for inst in insts:
+        k = key(inst)
+        if k not in seen:
+            seen.add(k)
+            out.append(inst)
+    return out
+
+
 def register_spec(spec: KernelSpec) -> KernelSpec:
     if spec.name in SPECS and SPECS[spec.name] != spec:
         raise ValueError(f"kernel {spec.name!r} is registered twice with different specs")

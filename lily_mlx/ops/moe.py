@@ -267,16 +267,6 @@ MODEL_SHAPES = ((256, 2048, 512, 512, 8),)
 SMALL_SHAPES = ((5, 64, 32, 96, 2), (7, 96, 64, 32, 2), (5, 128, 64, 128, 2), (7, 2048, 64, 32, 2), (5, 256, 128, 256, 3))
 
 
-def _unique(insts: list) -> list:
-    seen, out = set(), []
-    for inst in insts:
-        key = (inst.template, inst.inputs)
-        if key not in seen:
-            seen.add(key)
-            out.append(inst)
-    return out
-
-
 def _combos():
     out = [(t, mx.bfloat16, M, k, E, H, I, IS, 4, 64) for (E, H, I, IS, k) in MODEL_SHAPES for M in (1, 2, 3, 4, 8)
            for t in ((mx.bfloat16, mx.float16, mx.float32) if M == 1 else (mx.bfloat16,))]
@@ -287,14 +277,14 @@ def _combos():
 
 
 def _gate_up_instances() -> list[kernels.Instance]:
-    return _unique([gate_up_instance(*c) for c in _combos()])
+    return kernels.unique_instances([gate_up_instance(*c) for c in _combos()])
 
 
 def _down_instances() -> list[kernels.Instance]:
     insts = [down_instance(*c) for c in _combos()]
     insts.append(down_instance(mx.bfloat16, mx.bfloat16, 1, 8, 256, 2048, 512, 512, 4, 64, h_dtype=mx.bfloat16,
                                inds_dtype=mx.uint32, logit_dtype=mx.bfloat16))  # unfused h, moe_route's uint32 ids
-    return _unique(insts)
+    return kernels.unique_instances(insts)
 
 
 GATE_UP_SPEC = kernels.register_spec(kernels.KernelSpec(

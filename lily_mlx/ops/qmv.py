@@ -120,18 +120,11 @@ def qmv(x, w, scales, biases, *, group_size: int, bits: int, backend: str, init_
 
 def _instances() -> list[kernels.Instance]:
     """Model shapes at decode row counts in every x dtype, plus the test matrix's group sizes."""
-    seen, out = set(), []
     combos = [(t, mx.bfloat16, M, K, N, b, 64) for (K, N, b) in MODEL_SHAPES for M in (1, 2, 3, 4, 8) for t in X_DTYPES]
     combos += [(t, s, M, K, N, b, g) for b in BITS for g in GROUP_SIZES for M in (1, 3, 8) for t in (mx.float32, mx.bfloat16)
                for s in (mx.bfloat16,) for K in (g * 4, 2048) for N in (1, 33, 8200)]
     combos += [(mx.float16, mx.float16, 1, 2048, 8192, 4, 64), (mx.float32, mx.float32, 1, 2048, 8192, 8, 32)]
-    for c in combos:
-        inst = instance(*c)
-        key = (inst.template, tuple(d for d, _ in inst.inputs))
-        if key not in seen:
-            seen.add(key)
-            out.append(inst)
-    return out
+    return kernels.unique_instances((instance(*c) for c in combos), key=kernels.source_key)
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
