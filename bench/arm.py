@@ -3,8 +3,9 @@ sends (JSON lines on stdin) and answer each with a JSON line on the original std
 libraries print goes to stderr.
 
 Arms: `stock` (mlx_lm.load + mlx-lm's loop), `lily` (lily_mlx.load + lily_mlx.generate), the hybrids
-`lily-model+stock-loop` and `stock-model+lily-loop`, and `lily-no-<switch>` (lily with one kernel switch
-of lily_mlx.ops.KERNEL_NAMES off, through LILY_MLX_DISABLE). Both loops are called with mlx-lm 0.32.2's
+`lily-model+stock-loop` and `stock-model+lily-loop`, `lily-no-<switch>` (lily with one kernel switch
+of lily_mlx.ops.KERNEL_NAMES off, through LILY_MLX_DISABLE), and `lily-with-<switch>[+<switch>...]` (lily with
+kernels that are off by default opted in, through LILY_MLX_ENABLE). Both loops are called with mlx-lm 0.32.2's
 signatures: stream_generate for batch 1, batch_generate above.
 """
 
@@ -29,6 +30,7 @@ ARMS = {
     "stock-model+lily-loop": ("stock", "lily"),
 }
 NO_PREFIX = "lily-no-"
+WITH_PREFIX = "lily-with-"
 # Test hook: "ARM:ROUND:FACTOR" (ARM may be *) multiplies that round's measured times by FACTOR.
 PERTURB_ENV = "LILY_BENCH_PERTURB"
 
@@ -37,18 +39,22 @@ class ArmError(ValueError):
     pass
 
 
-def parse_arm(name: str) -> tuple[str, str, Optional[str]]:
-    """Arm name -> (model engine, loop engine, kernel switch turned off or None)."""
+def parse_arm(name: str) -> tuple[str, str, Optional[str], tuple[str, ...]]:
+    """Arm name -> (model engine, loop engine, kernel switch turned off or None, switches opted into)."""
     if name in ARMS:
-        return (*ARMS[name], None)
+        return (*ARMS[name], None, ())
     if name.startswith(NO_PREFIX) and len(name) > len(NO_PREFIX):
-        return "lily", "lily", name[len(NO_PREFIX):]
-    raise ArmError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}, or {NO_PREFIX}<switch> for a kernel switch")
+        return "lily", "lily", name[len(NO_PREFIX):], ()
+    if name.startswith(WITH_PREFIX) and all(name[len(WITH_PREFIX):].split("+")):
+        return "lily", "lily", None, tuple(name[len(WITH_PREFIX):].split("+"))
+    raise ArmError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}, {NO_PREFIX}<switch> for a kernel switch off, "
+                   f"or {WITH_PREFIX}<switch>[+<switch>...] for default-off kernels on")
 
 
 def arm_env(name: str) -> dict[str, str]:
-    """Environment an arm's process runs under: only lily-no-* arms switch a kernel off."""
-    return {"LILY_MLX_DISABLE": parse_arm(name)[2] or ""}
+    """Environment an arm's process runs under; the parent's own switches never leak into an arm."""
+    _, _, off, on = parse_arm(name)
+    return {"LILY_MLX_DISABLE": off or "", "LILY_MLX_ENABLE": ",".join(on)}
 
 
 LILY_LOOP_MISSING = (
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
         proto.flush()
 
     try:
-        model_engine, loop_engine, switch = parse_arm(args.arm)
+        model_engine, loop_engine, switch, opted_in = parse_arm(args.arm)
         loop = loop_module(loop_engine)
         t0 = time.perf_counter()
         model, tokenizer = load(model_engine, args.model)
@@ -194,6 +200,10 @@ def main(argv=None) -> int:
                                    f"registered: {sorted(ops.KERNEL_NAMES) or 'none'}")
                 if ops.enabled(switch if switch != "all" else "any kernel"):
                     raise ArmError(f"arm {args.arm}: LILY_MLX_DISABLE did not switch {switch!r} off")
+            for name in opted_in:
+                if name not in ops.KERNEL_NAMES or not ops.enabled(name):
+                    raise ArmError(f"arm {args.arm}: kernel switch {name!r} is not registered or did not switch on "
+                                   f"(registered: {sorted(ops.KERNEL_NAMES) or 'none'})")
             kernels = {"kernels": sorted(ops.KERNEL_NAMES), "kernels_off": sorted(n for n in ops.KERNEL_NAMES if not ops.enabled(n))}
         backend = ("cpu" if mx.default_device() == mx.cpu else "metal" if mx.metal.is_available()
                    else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "cpu")
