@@ -328,8 +328,7 @@ def _sentinel(*args, **kwargs):
     raise AssertionError("the deltanet_step kernel was dispatched")
 
 
-def test_dispatch_default_off_cpu_fallback_and_lengths(monkeypatch):
-    assert not ops.enabled("deltanet_step") or "deltanet_step" in ops._opted_in  # opt-in only
+def test_dispatch_cpu_fallback_and_lengths(monkeypatch):
     monkeypatch.setitem(ops._kernels, "deltanet_step", _sentinel)
     case = Case(1, 2, 4, 32, 48)
     params, (conv_state, state), tok = case.params(0), case.initial(0), case.token(0, 0)

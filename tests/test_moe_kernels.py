@@ -250,7 +250,7 @@ def _raising_kernel(*args, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["moe_gate_up", "moe_down_combine"])
-def test_dispatch_is_off_by_default_and_never_on_cpu(name, monkeypatch):
+def test_dispatch_switch_and_never_on_cpu(name, monkeypatch):
     c = CASES[0]
     a = _case(c)
     entry = {"moe_gate_up": lambda: ops.moe_gate_up(a["x"], a["inds"], a["gate"], a["up"], a["shared_gate"],
@@ -259,11 +259,11 @@ def test_dispatch_is_off_by_default_and_never_on_cpu(name, monkeypatch):
                                                               a["down"], a["shared_down"], a["residual"],
                                                               group_size=c[6], bits=c[7])}[name]
     monkeypatch.setitem(ops._kernels, name, _raising_kernel)
-    monkeypatch.setattr(ops, "_opted_in", set(ops._opted_in) - {name})
+    monkeypatch.setattr(ops, "_disabled", {name})
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     assert not ops.enabled(name)
-    out = entry()  # default off: the unfused ops
-    monkeypatch.setattr(ops, "_opted_in", {name})
+    out = entry()  # switched off: the unfused ops
+    monkeypatch.setattr(ops, "_disabled", set())
     with pytest.raises(AssertionError, match="kernel ran"):
         entry()
     monkeypatch.setattr(ops, "backend", lambda: "cpu")
