@@ -28,6 +28,36 @@ LILY_INLINE float lily_qdot16(uint4 q, const LILY_THREAD float* xr) {
 template <int F4C>
 LILY_INLINE int lily_swizzle(int chunk) { return F4C >= 8 ? (chunk & 7) : ((chunk >> 1) & 3); }
 
+// rinv[m] = rsqrt(mean(x[m, :K]^2) + eps) for the M rows of x, every thread of a block of WARPS warps
+// taking part; red is shared scratch of M * WARPS floats. Ends with a barrier (red may be reused after).
+template <int M, int K, int WARPS, typename TX>
+LILY_INLINE void lily_row_rsqrt_ms(TX x, float eps, LILY_TG_PTR float* red, LILY_THREAD float* rinv, int tid) {
+  LILY_UNROLL
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int k = tid; k < K; k += 32 * WARPS) {
+      const float v = lily_float(x[m * K + k]);
+      ss = LILY_FMA(v, v, ss);
+    }
+    ss = lily_warp_sum(ss);
+    if ((tid & 31) == 0) red[m * WARPS + (tid >> 5)] = ss;
+  }
+  LILY_BARRIER();
+  LILY_UNROLL
+  for (int m = 0; m < M; ++m) {
+    float ss = 0.0f;
+    for (int w = 0; w < WARPS; ++w) ss += red[m * WARPS + w];
+    rinv[m] = lily_rsqrt(ss / static_cast<float>(K) + eps);
+  }
+  LILY_BARRIER();
+}
+
+// One element of mx.fast.rms_norm's output, as it rounds: T(w * T(x * rinv)), returned as float.
+template <typename T, typename TW>
+LILY_INLINE float lily_normed(float x, float rinv, TW w) {
+  return lily_float(lily_cast<T>(lily_float(w) * lily_float(lily_cast<T>(x * rinv))));
+}
+
 LILY_INLINE float lily_sigmoid(float v) { return 1.0f / (1.0f + lily_exp(-v)); }
 
 LILY_INLINE float lily_nan() { return LILY_AS_FLOAT(0x7FC00000u); }

@@ -9,6 +9,9 @@
 #define LILY_SHARED threadgroup
 #define LILY_UNROLL _Pragma("clang loop unroll(full)")
 #define LILY_THREAD thread  // pointers to a thread's own registers/arrays
+#ifndef LILY_TG_PTR  // pointers into threadgroup memory; the CPU emulator (tests/metal_shim) sets its own
+#define LILY_TG_PTR threadgroup
+#endif
 
 #define LILY_LDG_U4(ptr, idx) (reinterpret_cast<const device uint4*>(ptr)[(idx)])
 #define LILY_U4_ZERO uint4(0u)

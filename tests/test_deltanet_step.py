@@ -22,7 +22,8 @@ from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.model import GatedDeltaNet
 from lily_mlx.ops import deltanet_step as ds
 from lily_mlx.ops import kernels, reference
-from test_metal_compile import ATTRIBUTE, EMULATOR_MAIN, GXX, SHIM_DIR, _emulator_call, _run, _to_numpy, metal_unit
+from emulator import ATTRIBUTE, GXX, SHIM_DIR, metal_unit
+from emulator import MAIN as EMULATOR_MAIN, case_source as _emulator_call, run as _run, to_numpy as _to_numpy
 
 F32, BF16 = mx.float32, mx.bfloat16
 STEPS = 3

@@ -17,7 +17,8 @@ import lily_mlx
 import lily_mlx.ops as ops
 from lily_mlx import model as model_mod
 from lily_mlx.ops import kernels, moe, reference
-from test_metal_compile import ATTRIBUTE, EMULATOR_MAIN, GXX, SHIM_DIR, _emulator_call, _run, _to_numpy, metal_unit
+from emulator import ATTRIBUTE, GXX, SHIM_DIR, metal_unit
+from emulator import MAIN as EMULATOR_MAIN, case_source as _emulator_call, run as _run, to_numpy as _to_numpy
 
 NAN = float("nan")
 

@@ -70,6 +70,42 @@ def test_qmv_cuda_model_shapes_and_dispatch():
     assert mx.array_equal(via_ops, direct).item(), "ops.quantized_matmul did not take the qmv kernel"
 
 
+# (bits, group, x dtype, M, K, N, fusion): the input norm over one and several K tiles, the residual add.
+FUSED = [(4, 64, mx.bfloat16, 1, 2048, 8192 + 4096 + 64, "norm"), (8, 64, mx.bfloat16, 2, 2048, 257, "norm"),
+         (4, 32, mx.float32, 8, 1024, 19, "norm"), (4, 64, mx.bfloat16, 1, 4096, 2048, "residual"),
+         (4, 128, mx.float32, 3, 256, 70, "residual"), (4, 64, mx.float16, 2, 2048, 248320, "norm")]
+
+
+def _check_fused(backend, bits, gs, dt, M, K, N, fusion, seed=0):
+    x, w, scales, biases = _inputs(M, K, N, bits, gs, dt, seed)
+    x = x * 3  # the norm must matter
+    key = mx.random.key(seed + 1)
+    norm = ((1 + 0.3 * mx.random.normal((K,), key=key)).astype(dt), 1e-6) if fusion == "norm" else None
+    res = mx.random.normal((M, N), key=key).astype(dt) if fusion == "residual" else None
+    y = qmv.qmv(x, w, scales, biases, group_size=gs, bits=bits, backend=backend, norm=norm, residual=res,
+                init_value=float("nan"))
+    assert y is not None and y.shape == (M, N) and y.dtype == dt
+    with mx.stream(mx.cpu):
+        xin = reference.rms_norm(x, *norm) if norm else x
+        ref = _oracle(xin, w, scales, biases, gs, bits) + (res.astype(mx.float32) if res is not None else 0)
+    yf = y.astype(mx.float32)
+    assert not mx.isnan(yf).any().item(), "unwritten (NaN) outputs"
+    err = (mx.linalg.norm(yf - ref) / mx.linalg.norm(ref)).item()
+    assert err < TOL[dt], f"{fusion}: relative error {err:.2e} >= {TOL[dt]} (bits={bits} M={M} K={K} N={N})"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FUSED, ids=str)
+def test_qmv_fused_cuda(case):
+    _check_fused("cuda", *case)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", FUSED, ids=str)
+def test_qmv_fused_metal(case):
+    _check_fused("metal", *case)
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_qmv_metal(case):
@@ -113,6 +149,21 @@ def test_dispatch_leaves_small_weights_to_the_reference(monkeypatch):
     x, w, s, b = _inputs(1, 2048, 512, 4, 64, mx.float32, 1)
     assert w.nbytes < qmv.DISPATCH_MIN_WEIGHT_BYTES
     assert qmv._dispatch(x, w, s, b, group_size=64, bits=4) is None
+    # Fused with a norm or a residual, the kernel replaces several primitives: taken at any size.
+    with pytest.raises(AssertionError, match="kernel ran"):
+        qmv._dispatch(x, w, s, b, group_size=64, bits=4, norm=(mx.ones((2048,)), 1e-6))
+    with pytest.raises(AssertionError, match="kernel ran"):
+        qmv._dispatch(x, w, s, b, group_size=64, bits=4, residual=mx.zeros((1, 512)))
+
+
+def test_fused_entries_fall_back_to_the_composition(monkeypatch):
+    monkeypatch.setitem(ops._kernels, "qmv", _raising_kernel)
+    x, w, s, b = _inputs(2, 256, 9, 4, 64, mx.float32, 1)
+    nw, r = mx.random.uniform(0.5, 1.5, (256,)), mx.random.normal((2, 9))
+    y = ops.norm_quantized_matmul(x, nw, 1e-5, w, s, b, group_size=64, bits=4)
+    assert mx.array_equal(y, reference.quantized_matmul(mx.fast.rms_norm(x, nw, 1e-5), w, s, b, group_size=64, bits=4)).item()
+    y = ops.quantized_matmul_add(x, w, s, b, r, group_size=64, bits=4)
+    assert mx.array_equal(y, r + reference.quantized_matmul(x, w, s, b, group_size=64, bits=4)).item()
 
 
 def test_unsupported_arguments_are_declined():
@@ -124,6 +175,10 @@ def test_unsupported_arguments_are_declined():
     assert qmv.unsupported(x, w, s, None, 64, 4) is not None
     assert qmv.unsupported(mx.zeros((1, 128)), w, s, b, 64, 4) == "shapes"
     assert qmv.qmv(mx.zeros((9, 256)), w, s, b, group_size=64, bits=4, backend="cuda") is None
+    assert "norm" in qmv.unsupported(x, w, s, b, 64, 4, norm=(mx.ones((128,)), 1e-6))
+    assert "norm" in qmv.unsupported(x, w, s, b, 64, 4, norm=(mx.ones((256,)), 0.0))
+    assert "residual" in qmv.unsupported(x, w, s, b, 64, 4, residual=mx.zeros((1, 8)))
+    assert "residual" in qmv.unsupported(x, w, s, b, 64, 4, residual=mx.zeros((1, 9), dtype=mx.bfloat16))
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8])

@@ -92,6 +92,23 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int) -> mx.
     return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
+def norm_quantized_matmul(x, norm_weight, eps: float, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """quantized_matmul(rms_norm(x, norm_weight, eps), w, ...): a layer's input norm and projection, one launch."""
+    out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits, norm=(norm_weight, eps))
+    if out is not None:
+        return out
+    return reference.quantized_matmul(reference.rms_norm(x, norm_weight, eps), w, scales, biases,
+                                      group_size=group_size, bits=bits)
+
+
+def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bits: int) -> mx.array:
+    """residual + quantized_matmul(x, w, ...): an output projection and the residual add, one launch."""
+    out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits, residual=residual)
+    if out is not None:
+        return out
+    return residual + reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False):
     """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]."""
     out = _try("gather", x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)

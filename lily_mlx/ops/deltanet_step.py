@@ -9,7 +9,6 @@ dispatcher runs the reference composition), picks the launch shape and registers
 
 from __future__ import annotations
 
-import struct
 from typing import Optional
 
 import mlx.core as mx
@@ -32,11 +31,6 @@ def plan(Dk: int, Dv: int) -> dict:
     rows = -(-Dv // warps)
     rb = max(1, min(rows, STATE_REGS // -(-Dk // 32)))
     return {"WARPS": warps, "RB": rb}
-
-
-def eps_bits(eps: float) -> int:
-    """The float32 bit pattern of eps > 0 (a template argument is an integer)."""
-    return struct.unpack("<I", struct.pack("<f", eps))[0]
 
 
 def unsupported(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
@@ -83,7 +77,7 @@ def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int,
     C = 2 * Hk * Dk + Hv * Dv
     template = (("T", dtype), ("TW", weight_dtype), ("TA", alog_dtype), ("TD", dt_bias_dtype), ("TN", norm_dtype),
                 ("HK", Hk), ("HV", Hv), ("DK", Dk), ("DV", Dv), ("W", W), ("WARPS", p["WARPS"]), ("RB", p["RB"]),
-                ("MASKED", bool(masked)), ("EPS_BITS", eps_bits(eps)))
+                ("MASKED", bool(masked)), ("EPS_BITS", kernels.float_bits(eps)))
     inputs = ((dtype, (B, 1, C)), (dtype, (B, 1, Hv, Dv)), (dtype, (B, 1, Hv)), (dtype, (B, 1, Hv)),
               (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)), (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)),
               (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)), (mx.bool_, (B, 1) if masked else (1,)))

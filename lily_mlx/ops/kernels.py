@@ -11,6 +11,7 @@ names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ 
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -92,6 +93,17 @@ def unique_instances(insts, key: Callable[[Instance], object] = lambda i: (i.tem
             seen.add(k)
             out.append(inst)
     return out
+
+
+def float_bits(v: float) -> int:
+    """The float32 bit pattern of v: how a float (an eps) reaches a kernel as an integer template argument."""
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(dtype: mx.Dtype) -> mx.array:
+    """A one-element array for a kernel input that this instantiation never reads."""
+    return mx.zeros((1,), dtype=dtype)
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:

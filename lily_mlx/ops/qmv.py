@@ -1,7 +1,9 @@
 """qmv: the fused affine dequant-GEMV, y = x @ dequant(w)^T for a few rows of x (decode).
 
-One body (kernels/qmv.inc) for CUDA and Metal. This module picks the launch shape, checks that
-the kernel applies (else the dispatcher runs the reference) and registers switch "qmv".
+One body (kernels/qmv.inc) for CUDA and Metal, with two optional fusions: an RMSNorm of x before
+(the layer's input norm) and a residual add after (the output projection). This module picks the
+launch shape, checks that the kernel applies (else the dispatcher runs the reference) and
+registers switch "qmv".
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ MAX_BLOCKS = 528  # persistent grid: blocks loop over row blocks beyond this
 # outweighs its faster kernel below ~10 MB (2048->8192: 33.0 vs 29.9 us; lm_head: 128 vs 538 us).
 DISPATCH_MIN_WEIGHT_BYTES = 12 << 20
 
-SPEC_PARAMS = ("T", "BITS", "GS", "M", "K", "LANES", "RPS", "WARPS")
+SPEC_PARAMS = ("T", "TN", "BITS", "GS", "M", "K", "LANES", "RPS", "WARPS", "NORM", "RES", "EPS_BITS")
 
 # (K, N, bits) of Qwen3.5/3.6-35B-A3B's dense projections: attention q (with gate) / k, v / o,
 # DeltaNet qkv / z / a, b / out, shared expert gate, up / down, router, shared-expert gate, lm_head.
@@ -56,8 +58,8 @@ def plan(M: int, K: int, N: int, bits: int) -> dict:
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
 
 
-def unsupported(x, w, scales, biases, group_size: int, bits: int) -> Optional[str]:
-    """Why the kernel does not apply to these arguments (None when it does)."""
+def unsupported(x, w, scales, biases, group_size: int, bits: int, norm=None, residual=None) -> Optional[str]:
+    """Why the kernel does not apply to these arguments (None when it does). norm: (weight [K], eps)."""
     if bits not in BITS:
         return f"bits={bits} (kernel has {BITS})"
     if group_size not in GROUP_SIZES:
@@ -73,73 +75,97 @@ def unsupported(x, w, scales, biases, group_size: int, bits: int) -> Optional[st
         return f"rows of x {x.size // K} > {MAX_M}"
     if N * K >= 2**31:
         return "int32 indexing"
+    if norm is not None and (norm[0].shape != (K,) or norm[0].dtype not in X_DTYPES or not norm[1] > 0):
+        return "norm: weight [K] of a float dtype and eps > 0 expected"
+    if residual is not None and (residual.shape != (*x.shape[:-1], N) or residual.dtype != x.dtype):
+        return "residual: x's dtype and shape [..., N] expected"
     return None
 
 
-def instance(x_dtype, scale_dtype, M: int, K: int, N: int, bits: int, group_size: int) -> kernels.Instance:
+def instance(x_dtype, scale_dtype, M: int, K: int, N: int, bits: int, group_size: int, norm_dtype=None,
+             res: bool = False, eps: float = 0.0) -> kernels.Instance:
+    """norm_dtype: the RMSNorm weight's dtype when x is normalised first (None: no norm)."""
     p = plan(M, K, N, bits)
-    template = (("T", x_dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
-                ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+    nd = norm_dtype or x_dtype
+    template = (("T", x_dtype), ("TN", nd), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
+                ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]), ("NORM", norm_dtype is not None),
+                ("RES", bool(res)), ("EPS_BITS", kernels.float_bits(eps) if norm_dtype is not None else 0))
     inputs = ((x_dtype, (M, K)), (mx.uint32, (N, K * bits // 32)),
-              (scale_dtype, (N, K // group_size)), (scale_dtype, (N, K // group_size)))
+              (scale_dtype, (N, K // group_size)), (scale_dtype, (N, K // group_size)),
+              (nd, (K,) if norm_dtype is not None else (1,)), (x_dtype, (M, N) if res else (1,)))
     return kernels.Instance(template, inputs, (x_dtype,))
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, M, N) or None (not applicable)
 
 
-def _launch(x, w, scales, biases, group_size: int, bits: int):
+def _launch(x, w, scales, biases, group_size: int, bits: int, norm, residual):
     # Decode calls the same few shapes thousands of times: plan once per signature.
     key = (x.shape, x.dtype, w.shape, w.dtype, scales.shape, scales.dtype,
-           None if biases is None else (biases.shape, biases.dtype), group_size, bits)
+           None if biases is None else (biases.shape, biases.dtype), group_size, bits,
+           None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]),
+           None if residual is None else (residual.shape, residual.dtype))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
     launch = None
-    if unsupported(x, w, scales, biases, group_size, bits) is None:
+    if unsupported(x, w, scales, biases, group_size, bits, norm, residual) is None:
         K, N = x.shape[-1], w.shape[0]
         M = x.size // K
         p = plan(M, K, N, bits)
         threads = 32 * p["WARPS"]
-        inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size)
+        inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size, None if norm is None else norm[0].dtype,
+                        residual is not None, 0.0 if norm is None else norm[1])
         launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, N)
     _LAUNCH[key] = launch
     return launch
 
 
-def qmv(x, w, scales, biases, *, group_size: int, bits: int, backend: str, init_value: Optional[float] = None):
-    """x [..., K] @ dequant(w [N, K*bits/32])^T -> [..., N] in x's dtype; None if not applicable."""
-    launch = _launch(x, w, scales, biases, group_size, bits)
+def qmv(x, w, scales, biases, *, group_size: int, bits: int, backend: str, norm=None, residual=None,
+        init_value: Optional[float] = None):
+    """x [..., K] @ dequant(w [N, K*bits/32])^T -> [..., N] in x's dtype; None if not applicable.
+    norm (weight [K], eps): x is RMS-normalised first. residual [..., N]: added to the result."""
+    launch = _launch(x, w, scales, biases, group_size, bits, norm, residual)
     if launch is None:
         return None
     template, grid, group, M, N = launch
-    (y,) = kernels.call("qmv", backend, [x.reshape(M, x.shape[-1]), w, scales, biases], template, grid, group,
-                        [(M, N)], [x.dtype], init_value)
-    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
+    nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
+    res = kernels.placeholder(x.dtype) if residual is None else residual
+    (y,) = kernels.call("qmv", backend, [x, w, scales, biases, nw, res], template, grid, group,
+                        [(*x.shape[:-1], N)], [x.dtype], init_value)
+    return y
 
 
 def _instances() -> list[kernels.Instance]:
-    """Model shapes at decode row counts in every x dtype, plus the test matrix's group sizes."""
+    """Model shapes at decode row counts in every x dtype (plain, normed input, residual output), plus the
+    test matrix's group sizes."""
     combos = [(t, mx.bfloat16, M, K, N, b, 64) for (K, N, b) in MODEL_SHAPES for M in (1, 2, 3, 4, 8) for t in X_DTYPES]
+    combos += [(t, mx.bfloat16, M, 2048, N, b, 64, t, False, 1e-6) for (N, b) in ((8192 + 4096 + 64, 4), (257, 8),
+               (248320, 4), (16 * 512 + 1024, 4)) for M in (1, 2, 4) for t in X_DTYPES]
+    combos += [(t, mx.bfloat16, M, K, 2048, 4, 64, None, True) for K in (4096, 512) for M in (1, 2, 4) for t in X_DTYPES]
     combos += [(t, s, M, K, N, b, g) for b in BITS for g in GROUP_SIZES for M in (1, 3, 8) for t in (mx.float32, mx.bfloat16)
                for s in (mx.bfloat16,) for K in (g * 4, 2048) for N in (1, 33, 8200)]
+    combos += [(t, mx.bfloat16, M, g * 4, N, b, g, nt, r, 1e-5) for b in BITS for g in GROUP_SIZES for M in (1, 3)
+               for t in (mx.float32, mx.bfloat16) for N in (33,) for nt, r in ((mx.float32, False), (None, True), (t, True))]
     combos += [(mx.float16, mx.float16, 1, 2048, 8192, 4, 64), (mx.float32, mx.float32, 1, 2048, 8192, 8, 32)]
     return kernels.unique_instances((instance(*c) for c in combos), key=kernels.source_key)
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
-    name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases"), output_names=("y",),
-    template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode)",
-    instances=_instances,
+    name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases", "nw", "res"), output_names=("y",),
+    template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode), optional input "
+    "RMSNorm and residual add", instances=_instances,
 ))
 
 
-def _dispatch(x, w, scales, biases, *, group_size: int, bits: int):
+def _dispatch(x, w, scales, biases, *, group_size: int, bits: int, norm=None, residual=None):
     from . import backend
 
-    if w.nbytes < DISPATCH_MIN_WEIGHT_BYTES:
+    # Alone, a custom kernel loses to mx.quantized_matmul below ~10 MB (its fixed cost); fused with a
+    # norm or a residual add it replaces two or three primitives and always pays.
+    if norm is None and residual is None and w.nbytes < DISPATCH_MIN_WEIGHT_BYTES:
         return None
-    return qmv(x, w, scales, biases, group_size=group_size, bits=bits, backend=backend())
+    return qmv(x, w, scales, biases, group_size=group_size, bits=bits, backend=backend(), norm=norm, residual=residual)
 
 
 register_kernel("qmv", SPEC.description, _dispatch)

@@ -25,6 +25,7 @@ using metal_sim_os_thread = std::thread;  // named before `thread` becomes an em
 #define thread
 #ifdef METAL_SHIM_SIM
 #define threadgroup static
+#define LILY_TG_PTR  // a pointer parameter into threadgroup memory: a plain pointer here
 #else
 #define threadgroup
 #endif
