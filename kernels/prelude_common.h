@@ -58,8 +58,102 @@ LILY_INLINE float lily_normed(float x, float rinv, TW w) {
   return lily_float(lily_cast<T>(lily_float(w) * lily_float(lily_cast<T>(x * rinv))));
 }
 
+// One attention head vector, RMS-normalised then rotated (RoPE, rotate-half, the first ROPE dims at
+// position pos), by one warp, with the reference's roundings to T (mx.fast.rms_norm, mx.fast.rope):
+// src[0, D) any float pointer, nw [D] the norm weight; dst [D] shared floats, written by lanes
+// (lane holds dims lane, lane + 32, ...).
+template <typename T, int D, int ROPE, typename TS, typename TW>
+LILY_INLINE void lily_norm_rope(TS src, TW nw, float eps, int pos, float log2_base, LILY_TG_PTR float* dst, int lane) {
+  constexpr int DPL = D / 32;
+  constexpr int HALF = ROPE / 2;
+  float v[DPL];
+  float ss = 0.0f;
+  LILY_UNROLL
+  for (int j = 0; j < DPL; ++j) {
+    v[j] = lily_float(src[j * 32 + lane]);
+    ss = LILY_FMA(v[j], v[j], ss);
+  }
+  const float r = lily_rsqrt(lily_warp_sum(ss) / static_cast<float>(D) + eps);
+  LILY_UNROLL
+  for (int j = 0; j < DPL; ++j) dst[j * 32 + lane] = lily_normed<T>(v[j], r, nw[j * 32 + lane]);
+  LILY_WARP_SYNC();
+  LILY_UNROLL
+  for (int j = 0; j < DPL; ++j) {
+    const int d = j * 32 + lane;
+    v[j] = dst[d];
+    if (d < ROPE) {
+      const int i = d < HALF ? d : d - HALF;  // the pair (i, i + HALF) turns by angle pos * base^(-i / HALF)
+      const float theta = static_cast<float>(pos) * lily_exp2(-(static_cast<float>(i) / static_cast<float>(HALF)) * log2_base);
+      const float c = lily_cos(theta);
+      const float s = lily_sin(theta);
+      const float x1 = dst[i];
+      const float x2 = dst[i + HALF];
+      v[j] = lily_float(lily_cast<T>(d < HALF ? x1 * c - x2 * s : x1 * s + x2 * c));
+    }
+  }
+  LILY_WARP_SYNC();
+  LILY_UNROLL
+  for (int j = 0; j < DPL; ++j) dst[j * 32 + lane] = v[j];
+  LILY_WARP_SYNC();
+}
+
 LILY_INLINE float lily_sigmoid(float v) { return 1.0f / (1.0f + lily_exp(-v)); }
 
 LILY_INLINE float lily_nan() { return LILY_AS_FLOAT(0x7FC00000u); }
+LILY_INLINE float lily_neg_inf() { return LILY_AS_FLOAT(0xFF800000u); }
+
+// The router's top-K of one row of E logits, computed by one warp (every lane ends with the same
+// answer): ids[j] in descending logit order, ties to the lower id; weights[j] the softmax
+// probabilities, renormalised over the K chosen when NORMTOPK (exp(l_j - l_0) / sum_K), else over
+// all E. A row with fewer than K comparable logits (NaN) yields id E for the missing ones.
+template <int E, int K, bool NORMTOPK, typename TL>
+LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD float* weights) {
+  constexpr int PL = (E + 31) / 32;  // logits per lane: lane holds ids lane, lane + 32, ...
+  float v[PL];
+  LILY_UNROLL
+  for (int i = 0; i < PL; ++i) v[i] = i * 32 + lane < E ? lily_float(row[i * 32 + lane]) : lily_neg_inf();
+  float top = lily_neg_inf();
+  LILY_UNROLL
+  for (int j = 0; j < K; ++j) {
+    float bv = lily_neg_inf();
+    int bi = E;
+    LILY_UNROLL
+    for (int i = 0; i < PL; ++i) {
+      if (v[i] > bv) {  // strict: the lowest id of equal logits in this lane
+        bv = v[i];
+        bi = i * 32 + lane;
+      }
+    }
+    LILY_UNROLL
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = lily_shfl_xor(bv, off);
+      const int oi = lily_shfl_xor(bi, off);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (j == 0) top = bv;
+    ids[j] = bi;
+    weights[j] = bv;
+    LILY_UNROLL
+    for (int i = 0; i < PL; ++i) {
+      if (i * 32 + lane == bi) v[i] = lily_neg_inf();
+    }
+  }
+  float denom = 0.0f;
+  if (NORMTOPK) {
+    LILY_UNROLL
+    for (int j = 0; j < K; ++j) denom += lily_exp(weights[j] - top);
+  } else {
+    LILY_UNROLL
+    for (int i = 0; i < PL; ++i) {
+      if (i * 32 + lane < E) denom += lily_exp(lily_float(row[i * 32 + lane]) - top);
+    }
+    denom = lily_warp_sum(denom);
+  }
+  LILY_UNROLL
+  for (int j = 0; j < K; ++j) weights[j] = lily_exp(weights[j] - top) / denom;
+}
 
 #endif

@@ -20,6 +20,7 @@
 // Block-wide barrier over shared memory; xor shuffle inside one warp of 32 lanes.
 #define LILY_BARRIER() __syncthreads()
 LILY_INLINE float lily_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+LILY_INLINE int lily_shfl_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 LILY_INLINE float lily_warp_sum(float v) {
   LILY_UNROLL
@@ -41,5 +42,11 @@ LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 LILY_INLINE float lily_exp(float v) { return expf(v); }
 LILY_INLINE float lily_log(float v) { return logf(v); }
 LILY_INLINE float lily_rsqrt(float v) { return rsqrtf(v); }
+LILY_INLINE float lily_exp2(float v) { return exp2f(v); }
+LILY_INLINE float lily_cos(float v) { return cosf(v); }
+LILY_INLINE float lily_sin(float v) { return sinf(v); }
+
+// Lanes of one warp meet (shared-memory writes by one lane visible to the others).
+#define LILY_WARP_SYNC() __syncwarp()
 
 #endif

@@ -21,6 +21,7 @@
 
 #define LILY_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 LILY_INLINE float lily_shfl_xor(float v, int mask) { return simd_shuffle_xor(v, static_cast<ushort>(mask)); }
+LILY_INLINE int lily_shfl_xor(int v, int mask) { return simd_shuffle_xor(v, static_cast<ushort>(mask)); }
 
 LILY_INLINE float lily_warp_sum(float v) { return simd_sum(v); }
 
@@ -36,5 +37,10 @@ LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 LILY_INLINE float lily_exp(float v) { return metal::precise::exp(v); }
 LILY_INLINE float lily_log(float v) { return metal::log(v); }
 LILY_INLINE float lily_rsqrt(float v) { return metal::precise::rsqrt(v); }
+LILY_INLINE float lily_exp2(float v) { return metal::precise::exp2(v); }
+LILY_INLINE float lily_cos(float v) { return metal::precise::cos(v); }
+LILY_INLINE float lily_sin(float v) { return metal::precise::sin(v); }
+
+#define LILY_WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
 
 #endif

@@ -2,11 +2,14 @@
 
 They mirror mlx.nn's Linear / QuantizedLinear and mlx-lm's SwitchLinear / QuantizedSwitchLinear
 (same parameter names, same `to_quantized`), so `mlx.nn.quantize` and mlx-lm's tooling work on them.
+`FusedLinears` runs several projections of one input as one matmul; `normed` and `added` fold a
+layer's input RMSNorm or its residual add into the projection where a kernel can.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,3 +114,98 @@ class GatedRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array, z: mx.array) -> mx.array:
         return ops.gated_rms_norm(x, z, self["weight"], self.eps)
+
+
+def _quantized(layer) -> bool:
+    return "scales" in layer
+
+
+def normed(layer, x: mx.array, norm: "RMSNorm") -> mx.array:
+    """layer(norm(x)): one launch where the layer is quantized and bias-free (the lm_head after the final norm)."""
+    if _quantized(layer) and "bias" not in layer:
+        return ops.norm_quantized_matmul(x, norm["weight"], norm.eps, layer["weight"], layer["scales"],
+                                         layer["biases"], group_size=layer.group_size, bits=layer.bits)
+    return layer(norm(x))
+
+
+def added(layer, x: mx.array, residual: mx.array) -> mx.array:
+    """residual + layer(x): one launch where the layer is quantized and bias-free (output projections)."""
+    if _quantized(layer) and "bias" not in layer and residual.dtype == x.dtype:
+        return ops.quantized_matmul_add(x, layer["weight"], layer["scales"], layer["biases"], residual,
+                                        group_size=layer.group_size, bits=layer.bits)
+    return residual + layer(x)
+
+
+class FusedLinears:
+    """Linear layers of one module that read the same input, run as ONE matmul over their weights
+    concatenated along the output axis (DeltaNet qkv|z|b|a, attention q|k|v, router|shared-expert gate).
+
+    `fuse()` (at load) concatenates them and leaves each part holding a slice of the concatenation, a
+    view, so the parts still run, save and convert as before and no second copy is kept. If a part's
+    arrays are replaced afterwards (load_weights, quantize), the fusion is stale: calls run the parts
+    and concatenate their outputs until `fuse()` runs again.
+    """
+
+    def __init__(self, owner: nn.Module, names: Sequence[str]):
+        self.owner, self.names = owner, tuple(names)
+        self.arrays: Optional[dict[str, mx.array]] = None  # "weight", "scales", "biases", "bias"
+        self.views: tuple = ()  # per part, the arrays fuse() assigned to it
+
+    def parts(self) -> list[nn.Module]:
+        return [getattr(self.owner, n) for n in self.names]
+
+    def _keys(self) -> Optional[tuple[str, ...]]:
+        """The array names the parts share, or None when they cannot be concatenated."""
+        parts = self.parts()
+        first = parts[0]
+        keys = tuple(sorted(k for k, v in first.items() if isinstance(v, mx.array)))
+        if _quantized(first):
+            same = lambda p: (_quantized(p) and (p.bits, p.group_size, p.mode) == (first.bits, first.group_size, first.mode)
+                              and p["scales"].dtype == first["scales"].dtype)
+        else:
+            same = lambda p: not _quantized(p) and p["weight"].dtype == first["weight"].dtype
+        ok = all(same(p) and tuple(sorted(k for k, v in p.items() if isinstance(v, mx.array))) == keys for p in parts)
+        return keys if ok else None
+
+    def fuse(self) -> bool:
+        """Concatenate the parts' arrays (no-op when already fused). False when they cannot be."""
+        if self.current():
+            return True
+        keys = self._keys()
+        if keys is None:
+            self.arrays, self.views = None, ()
+            return False
+        parts = self.parts()
+        self.arrays = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in keys}
+        start, views = 0, []
+        for p in parts:
+            n = p["weight"].shape[0]
+            view = {k: self.arrays[k][start:start + n] for k in keys}
+            p.update(view)
+            views.append(tuple(view[k] for k in keys))
+            start += n
+        self.views = tuple(views)
+        return True
+
+    def current(self) -> bool:
+        """True while every part still holds the slices fuse() gave it."""
+        if self.arrays is None:
+            return False
+        keys = sorted(self.arrays)
+        return all(all(p.get(k) is v for k, v in zip(keys, view)) for p, view in zip(self.parts(), self.views))
+
+    def __call__(self, x: mx.array, norm: Optional["RMSNorm"] = None) -> mx.array:
+        """[..., sum of the parts' outputs]: the parts applied to norm(x) (or x), concatenated."""
+        if not self.current():
+            xn = x if norm is None else norm(x)
+            return mx.concatenate([p(xn) for p in self.parts()], axis=-1)
+        a = self.arrays
+        if "scales" in a:
+            q = {"group_size": self.parts()[0].group_size, "bits": self.parts()[0].bits}
+            if norm is None:
+                y = ops.quantized_matmul(x, a["weight"], a["scales"], a["biases"], **q)
+            else:
+                y = ops.norm_quantized_matmul(x, norm["weight"], norm.eps, a["weight"], a["scales"], a["biases"], **q)
+        else:
+            y = (x if norm is None else norm(x)) @ a["weight"].T
+        return y + a["bias"] if "bias" in a else y

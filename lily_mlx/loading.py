@@ -229,6 +229,7 @@ def load_model(
         raw["quantization"] = _quantization_record(model, q)
         raw.pop("quantization_config", None)
     model.eval()
+    model.fuse_projections()
     if not lazy:
         _evaluate(model, progress)
     return model, raw

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from . import ops
 from .config import ModelConfig
-from .layers import GatedRMSNorm, Linear, RMSNorm, SwitchLinear
+from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, normed
 
 
 class Attention(nn.Module):
@@ -36,14 +36,25 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, H, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.fused_qkv = FusedLinears(self, ("q_proj", "k_proj", "v_proj"))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        return self._run(x, None, mask, cache, None)
+
+    def add_to(self, h: mx.array, norm: RMSNorm, mask=None, cache=None) -> mx.array:
+        """h + self(norm(h)): the norm folded into the input projection, the add into o_proj."""
+        return self._run(h, norm, mask, cache, h)
+
+    def _run(self, x, norm, mask, cache, residual):
         B, L, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+        D, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
+        q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
+        q, gate = mx.split(q.reshape(B, L, Hq, 2 * D), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, L, D]
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, L, Hkv, D)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, Hkv, D).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q = ops.rope(q, self.rope_dims, self.rope_theta, offset)
         k = ops.rope(k, self.rope_dims, self.rope_theta, offset)
@@ -53,8 +64,8 @@ class Attention(nn.Module):
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         else:
             out = ops.attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)
+        return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
 
 
 class GatedDeltaNet(nn.Module):
@@ -75,12 +86,18 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((self.Hv,))
         self.norm = GatedRMSNorm(self.Dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, H)
+        self.fused_in = FusedLinears(self, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        return self._run(x, None, mask, cache, None)
+
+    def add_to(self, h: mx.array, norm: RMSNorm, mask=None, cache=None) -> mx.array:
+        """h + self(norm(h)): the norm folded into the input projection, the add into out_proj."""
+        return self._run(h, norm, mask, cache, h)
+
+    def _run(self, x, norm, mask, cache, residual):
         B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)  # [B, T, 2*Hk*Dk + Hv*Dv]
-        z = self.in_proj_z(x).reshape(B, T, self.Hv, self.Dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, Hv]
+        proj = self.fused_in(x, norm)  # [B, T, qkv | z | b | a]
         conv_state = cache[0] if cache is not None and cache[0] is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_width - 1, self.conv_dim), dtype=x.dtype)
@@ -88,13 +105,13 @@ class GatedDeltaNet(nn.Module):
         state = cache[1] if cache is not None else None
         # One token: the fused decode step where a kernel applies (same composition otherwise).
         mixer = ops.deltanet_decode_step if T == 1 else ops.deltanet_mix
-        out, conv_state, state = mixer(qkv, z, a, b, self.conv1d.weight, conv_state, self.A_log, self.dt_bias,
+        out, conv_state, state = mixer(proj, self.conv1d.weight, conv_state, self.A_log, self.dt_bias,
                                        self.norm["weight"], state, num_key_heads=self.Hk, eps=self.norm.eps,
-                                       mask=mask, lengths=lengths)  # out [B, T, Hv, Dv]
+                                       mask=mask, lengths=lengths)  # out [B, T, Hv*Dv]
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             cache.advance(T)
-        return self.out_proj(out.reshape(B, T, -1))
+        return self.out_proj(out) if residual is None else added(self.out_proj, out, residual)
 
 
 class MLP(nn.Module):
@@ -143,16 +160,31 @@ class SparseMoeBlock(nn.Module):
         self.switch_mlp = SwitchGLU(H, cfg.moe_intermediate_size, cfg.num_experts)
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(H, 1)
+        self.router = FusedLinears(self, ("gate", "shared_expert_gate"))  # logits [..., E + 1]
 
-    def __call__(self, x: mx.array, residual: Optional[mx.array] = None) -> mx.array:
-        """x [..., H] -> the MoE output, plus `residual` when given (then fused for a few tokens)."""
-        inds, scores = ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)  # [..., k]
-        # Below SwitchGLU's sorting threshold the fused ops' fallback is the very same unsorted gather.
-        if residual is not None and inds.size < 64 and residual.dtype == x.dtype and self._quantized_alike():
-            return self._fused(x, inds, scores, residual)
-        y = self.switch_mlp(x, inds)  # [..., k, H]
+    def __call__(self, x: mx.array) -> mx.array:
+        """x [..., H] -> the MoE output."""
+        return self._run(x, None, None)
+
+    def add_to(self, h: mx.array, norm: RMSNorm) -> mx.array:
+        """h + self(norm(h)); for a few tokens the fused decode path (norm, routing and residual inside)."""
+        return self._run(h, norm, h)
+
+    def _run(self, x, norm, residual):
+        # Below SwitchGLU's sorting threshold the fused op's fallback is the very same unsorted gather.
+        if residual is not None and (x.size // x.shape[-1]) * self.top_k < 64 and self._quantized_alike():
+            logits = self.router(x, norm)  # [..., E + 1]: the router's, then the shared-expert gate's
+            wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
+            first = self.switch_mlp.gate_proj
+            return ops.moe_decode(x, norm["weight"], norm.eps, logits, wg, wu, wd, sg, su, sd, top_k=self.top_k,
+                                  normalize=self.norm_topk_prob, group_size=first.group_size, bits=first.bits)
+        xn = x if norm is None else norm(x)
+        logits = self.router(xn)
+        E = logits.shape[-1] - 1
+        inds, scores = ops.moe_route(logits[..., :E], self.top_k, self.norm_topk_prob)  # [..., k]
+        y = self.switch_mlp(xn, inds)  # [..., k, H]
         y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
-        y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        y = y + mx.sigmoid(logits[..., E:]) * self.shared_expert(xn)
         return y if residual is None else residual + y
 
     def _projections(self):
@@ -163,13 +195,6 @@ class SparseMoeBlock(nn.Module):
         first = self.switch_mlp.gate_proj
         return all("scales" in l and "bias" not in l and (l.group_size, l.bits) == (first.group_size, first.bits)
                    for l in self._projections())
-
-    def _fused(self, x, inds, scores, residual):
-        """This block plus the residual add through ops.moe_gate_up / ops.moe_down_combine (two launches where enabled)."""
-        wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
-        q = {"group_size": self.switch_mlp.gate_proj.group_size, "bits": self.switch_mlp.gate_proj.bits}
-        h, hs = ops.moe_gate_up(x, inds, wg, wu, sg, su, **q)  # [..., k, I], [..., Is]
-        return ops.moe_down_combine(h, hs, inds, scores, self.shared_expert_gate(x), wd, sd, residual, **q)
 
 
 class DecoderLayer(nn.Module):
@@ -186,8 +211,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), mask, cache)
-        return self.mlp(self.post_attention_layernorm(h), residual=h)  # h + moe(norm(h))
+        h = mixer.add_to(x, self.input_layernorm, mask, cache)  # x + mixer(norm(x))
+        return self.mlp.add_to(h, self.post_attention_layernorm)  # h + moe(norm(h))
 
 
 class TextModel(nn.Module):
@@ -201,6 +226,12 @@ class TextModel(nn.Module):
         self.fa_idx = kinds.index(False) if False in kinds else None
 
     def __call__(self, inputs, cache=None, input_embeddings=None, return_hidden=False):
+        h = self.hidden(inputs, cache, input_embeddings)
+        out = self.norm(h)
+        return (out, h) if return_hidden else out
+
+    def hidden(self, inputs, cache=None, input_embeddings=None) -> mx.array:
+        """The last layer's output before the final norm [B, L, H]."""
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
@@ -208,8 +239,7 @@ class TextModel(nn.Module):
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
-        out = self.norm(h)
-        return (out, h) if return_hidden else out
+        return h
 
 
 class LanguageModel(nn.Module):
@@ -221,12 +251,16 @@ class LanguageModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def logits(self, h: mx.array) -> mx.array:
+        """Logits of the final-normed hidden state h."""
         if self.cfg.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
-        return self.logits(self.model(inputs, cache, input_embeddings))
+        h = self.model.hidden(inputs, cache, input_embeddings)
+        if self.cfg.tie_word_embeddings:
+            return self.logits(self.model.norm(h))
+        return normed(self.lm_head, h, self.model.norm)  # the final norm folded into the lm_head
 
 
 class MTP(nn.Module):
@@ -271,6 +305,15 @@ class Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
+
+    def fuse_projections(self) -> None:
+        """Concatenate the projections that share an input (DeltaNet qkv|z|b|a, attention q|k|v, router |
+        shared-expert gate) so each runs as one matmul; the parts keep working as views. Idempotent; run
+        at load, and again after anything replaces weights (the fused path is skipped until then)."""
+        for _, m in self.named_modules():
+            for fused in (getattr(m, "fused_in", None), getattr(m, "fused_qkv", None), getattr(m, "router", None)):
+                if isinstance(fused, FusedLinears):
+                    fused.fuse()
 
     @property
     def layers(self):

@@ -148,15 +148,18 @@ def gated_delta(q, k, v, log_g, beta, state: Optional[mx.array] = None, mask=Non
     return reference.gated_delta_sequential(q, k, v, log_g, beta, state, mask)
 
 
-def deltanet_mix(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
+def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
                  eps: float, mask=None, lengths=None):
-    """The Gated DeltaNet mixer after its input projections. qkv [B, T, 2*Hk*Dk + Hv*Dv], z [B, T, Hv, Dv],
-    a, b [B, T, Hv]; conv_weight [C, W, 1], conv_state [B, W-1, C]; state [B, Hv, Dv, Dk] float32 or None;
-    mask [B, T] bool; lengths [B] (right-padded rows). Returns (rmsnorm(y) * w * silu(z) [B, T, Hv, Dv],
+    """The Gated DeltaNet mixer after its input projection. proj [B, T, C + Hv*Dv + 2*Hv] is the fused
+    projection [qkv (C = 2*Hk*Dk + Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)]; conv_weight [C, W, 1],
+    conv_state [B, W-1, C]; A_log, dt_bias [Hv]; norm_weight [Dv]; state [B, Hv, Dv, Dk] float32 or None;
+    mask [B, T] bool; lengths [B] (right-padded rows). Returns (rmsnorm(y) * w * silu(z) [B, T, Hv*Dv],
     new conv state, new state)."""
-    B, T, Hv, Dv = z.shape
-    key_dim = (qkv.shape[-1] - Hv * Dv) // 2
+    B, T, _ = proj.shape
+    Hv, Dv, C = A_log.shape[0], norm_weight.shape[0], conv_weight.shape[0]
+    key_dim = (C - Hv * Dv) // 2
     Dk = key_dim // num_key_heads
+    qkv, z, b, a = mx.split(proj, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_out, conv_state = causal_conv1d(qkv, conv_weight, conv_state, lengths=lengths)
@@ -166,19 +169,20 @@ def deltanet_mix(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_wei
     v = v.reshape(B, T, Hv, Dv)
     log_g, beta = reference.deltanet_gates(a, b, A_log, dt_bias)
     y, state = gated_delta(q, k, v, log_g, beta, state, mask)
-    return gated_rms_norm(y, z, norm_weight, eps), conv_state, state
+    out = gated_rms_norm(y, z.reshape(B, T, Hv, Dv), norm_weight, eps)
+    return out.reshape(B, T, Hv * Dv), conv_state, state
 
 
-def deltanet_decode_step(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *,
-                         num_key_heads: int, eps: float, mask=None, lengths=None):
+def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
+                         eps: float, mask=None, lengths=None):
     """deltanet_mix for one token (T = 1): one fused launch where the kernel applies, else the same
     composition. Right-padded batches (lengths) always take the composition."""
     if lengths is None:
-        out = _try("deltanet_step", qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+        out = _try("deltanet_step", proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                    num_key_heads=num_key_heads, eps=eps, mask=mask)
         if out is not None:
             return out
-    return deltanet_mix(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+    return deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                         num_key_heads=num_key_heads, eps=eps, mask=mask, lengths=lengths)
 
 
@@ -199,27 +203,28 @@ def moe_route(logits, top_k: int, normalize: bool):
     return reference.moe_route(logits, top_k, normalize)
 
 
-def moe_gate_up(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int):
-    """SwiGLU of each token's top-k experts and of the shared expert (decode). x [..., H], inds [..., k];
-    gate, up: (w [E, I, H*bits/32], scales, biases [E, I, H/group]); shared_gate, shared_up: the same
-    without E, for [Is, H]. Returns (h [..., k, I], hs [..., Is])."""
-    out = _try("moe_gate_up", x, inds, gate, up, shared_gate, shared_up, group_size=group_size, bits=bits)
-    if out is not None:
-        return out
-    return _moe.gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, group_size=group_size, bits=bits)
+def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, shared_up, shared_down, *,
+               top_k: int, normalize: bool, group_size: int, bits: int):
+    """x + MoE(rmsnorm(x)) for a few tokens: the routed top-k SwiGLU experts and the sigmoid-gated
+    shared expert, in two launches where the kernels apply (moe_gate_up, moe_down_combine).
 
-
-def moe_down_combine(h, hs, inds, scores, shared_gate_logit, down, shared_down, residual, *, group_size: int,
-                     bits: int):
-    """residual + sum_j scores_j (h_j Wd[inds_j]^T) + sigmoid(shared_gate_logit) (hs Wsd^T), in residual's dtype.
-    h [..., k, I], hs [..., Is], inds and scores [..., k], shared_gate_logit [..., 1], residual [..., H];
-    down: (w [E, H, I*bits/32], scales, biases); shared_down: the same for [H, Is]."""
-    out = _try("moe_down_combine", h, hs, inds, scores, shared_gate_logit, down, shared_down, residual,
-               group_size=group_size, bits=bits)
-    if out is not None:
-        return out
-    return _moe.down_combine_unfused(h, hs, inds, scores, shared_gate_logit, down, shared_down, residual,
-                                     group_size=group_size, bits=bits)
+    x [..., H] the residual stream; norm_weight [H] (None: x is used as it is); logits [..., E + 1] the
+    router's logits with the shared-expert gate's last; gate, up: (w [E, I, H*bits/32], scales, biases
+    [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E. Returns [..., H]."""
+    E = gate[0].shape[0]
+    q = {"group_size": group_size, "bits": bits}
+    norm = None if norm_weight is None else (norm_weight, eps)
+    out = _try("moe_gate_up", x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize, **q)
+    if out is None:
+        xn = x if norm is None else reference.rms_norm(x, norm_weight, eps)
+        inds, scores = moe_route(logits[..., :E], top_k, normalize)
+        h, hs = _moe.gate_up_unfused(xn, inds, gate, up, shared_gate, shared_up, **q)
+    else:
+        h, hs, inds, scores = out
+    y = _try("moe_down_combine", h, hs, inds, scores, logits, down, shared_down, x, **q)
+    if y is not None:
+        return y
+    return _moe.down_combine_unfused(h, hs, inds, scores, logits[..., E:E + 1], down, shared_down, x, **q)
 
 
 # Kernel modules register themselves on import; they need register_kernel above.

@@ -22,8 +22,6 @@ STATE_REGS = 64  # floats of state one lane holds per pass over its rows
 
 SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS")
 
-_ALWAYS = None  # the unread mask input of an unmasked call (one constant array, made on first use)
-
 
 def plan(Dk: int, Dv: int) -> dict:
     """WARPS warps per block over the Dv state rows (about 8 rows each), RB rows per warp per pass."""
@@ -33,40 +31,42 @@ def plan(Dk: int, Dv: int) -> dict:
     return {"WARPS": warps, "RB": rb}
 
 
-def unsupported(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
+def split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads: int) -> Optional[tuple[int, int, int, int, int]]:
+    """(Hk, Hv, Dk, Dv, C) implied by the fused projection [qkv (C) | z (Hv*Dv) | b (Hv) | a (Hv)], or None."""
+    Hk, Hv, Dv, C = num_key_heads, A_log.shape[0], norm_weight.shape[0], conv_weight.shape[0]
+    if Hk <= 0 or Hv % Hk or (C - Hv * Dv) % (2 * Hk) or C <= Hv * Dv or proj.shape[-1] != C + Hv * Dv + 2 * Hv:
+        return None
+    return Hk, Hv, (C - Hv * Dv) // (2 * Hk), Dv, C
+
+
+def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
                 mask=None) -> Optional[str]:
     """Why the kernel does not apply to these arguments (None when it does)."""
-    if qkv.ndim != 3 or qkv.shape[1] != 1 or z.ndim != 4 or z.shape[:2] != qkv.shape[:2]:
-        return "shapes: qkv [B, 1, C] and z [B, 1, Hv, Dv] expected"
-    B, _, Cc = qkv.shape
-    Hv, Dv = z.shape[2:]
-    Hk = num_key_heads
-    if Hk <= 0 or Hv % Hk or (Cc - Hv * Dv) % (2 * Hk) or Cc <= Hv * Dv:
-        return f"heads: qkv width {Cc}, Hv={Hv}, Dv={Dv}, Hk={Hk}"
-    Dk = (Cc - Hv * Dv) // (2 * Hk)
+    heads = split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads)
+    if proj.ndim != 3 or proj.shape[1] != 1 or heads is None:
+        return f"shapes: proj [B, 1, C + Hv*Dv + 2*Hv] expected, got {proj.shape}"
+    B = proj.shape[0]
+    Hk, Hv, Dk, Dv, Cc = heads
     if not (1 <= Dk <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
         return f"head dims Dk={Dk}, Dv={Dv} beyond {MAX_HEAD_DIM}"
-    if conv_weight.ndim != 3 or conv_weight.shape[0] != Cc or conv_weight.shape[2] != 1:
+    if conv_weight.ndim != 3 or conv_weight.shape[2] != 1:
         return f"conv weight shape {conv_weight.shape}"
     W = conv_weight.shape[1]
     if not 2 <= W <= MAX_CONV_WIDTH or conv_state.shape != (B, W - 1, Cc):
         return f"conv width {W} / conv state shape {conv_state.shape}"
-    if a.shape != (B, 1, Hv) or b.shape != (B, 1, Hv) or A_log.shape != (Hv,) or dt_bias.shape != (Hv,):
+    if dt_bias.shape != (Hv,):
         return "gate shapes"
-    if norm_weight.shape != (Dv,):
-        return "norm weight shape"
     if state is not None and (state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32):
         return "state: float32 [B, Hv, Dv, Dk] expected"
     if mask is not None and (mask.shape != (B, 1) or mask.dtype != mx.bool_):
         return "mask: bool [B, 1] expected"
-    dt = qkv.dtype
-    if dt not in ACT_DTYPES or any(x.dtype != dt for x in (z, a, b, conv_state)):
-        return "dtypes: qkv, z, a, b and the conv state must share one float dtype"
+    if proj.dtype not in ACT_DTYPES or conv_state.dtype != proj.dtype:
+        return "dtypes: proj and the conv state must share one float dtype"
     if any(x.dtype not in ACT_DTYPES for x in (conv_weight, A_log, dt_bias, norm_weight)):
         return "parameter dtypes"
     if not eps > 0.0:
         return f"eps {eps}"
-    if B * Hv * Dv * Dk >= 2**31 or B * W * Cc >= 2**31:
+    if B * Hv * Dv * Dk >= 2**31 or B * W * proj.shape[-1] >= 2**31:
         return "int32 indexing"
     return None
 
@@ -78,9 +78,9 @@ def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int,
     template = (("T", dtype), ("TW", weight_dtype), ("TA", alog_dtype), ("TD", dt_bias_dtype), ("TN", norm_dtype),
                 ("HK", Hk), ("HV", Hv), ("DK", Dk), ("DV", Dv), ("W", W), ("WARPS", p["WARPS"]), ("RB", p["RB"]),
                 ("MASKED", bool(masked)), ("EPS_BITS", kernels.float_bits(eps)))
-    inputs = ((dtype, (B, 1, C)), (dtype, (B, 1, Hv, Dv)), (dtype, (B, 1, Hv)), (dtype, (B, 1, Hv)),
-              (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)), (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)),
-              (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)), (mx.bool_, (B, 1) if masked else (1,)))
+    inputs = ((dtype, (B, 1, C + Hv * Dv + 2 * Hv)), (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)),
+              (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)), (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)),
+              (mx.bool_, (B, 1) if masked else (1,)))
     return kernels.Instance(template, inputs, (dtype, dtype, mx.float32))
 
 
@@ -95,42 +95,36 @@ def _launch(args, num_key_heads, eps, mask, launch):
         return hit
     out = None
     if unsupported(*args, num_key_heads, eps, mask) is None:
-        qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
-        B, Hv, Dv, W = qkv.shape[0], z.shape[2], z.shape[3], conv_weight.shape[1]
-        Dk = (qkv.shape[2] - Hv * Dv) // (2 * num_key_heads)
+        proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
+        Hk, Hv, Dk, Dv, _ = split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads)
         p = launch or plan(Dk, Dv)
-        inst = instance(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, B,
-                        num_key_heads, Hv, Dk, Dv, W, mask is not None, eps, p)
+        inst = instance(proj.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, proj.shape[0],
+                        Hk, Hv, Dk, Dv, conv_weight.shape[1], mask is not None, eps, p)
         threads = 32 * p["WARPS"]
-        out = (list(inst.template), (B * Hv * threads, 1, 1), (threads, 1, 1))
+        out = (list(inst.template), (proj.shape[0] * Hv * threads, 1, 1), (threads, 1, 1), (Hv, Dv, Dk))
     _LAUNCH[key] = out
     return out
 
 
-def deltanet_step(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
+def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
                   eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None):
-    """One decode token: (out [B, 1, Hv, Dv] in qkv's dtype, new conv state [B, W-1, C], new state
-    [B, Hv, Dv, Dk] float32), or None when the kernel does not apply. state None means zeros;
-    mask [B, 1] bool marks real tokens (a masked row leaves the state unchanged)."""
-    global _ALWAYS
-    args = (qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
+    """One decode token from the fused projection proj [B, 1, qkv | z | b | a]: (out [B, 1, Hv*Dv] in
+    proj's dtype, new conv state [B, W-1, C], new state [B, Hv, Dv, Dk] float32), or None when the kernel
+    does not apply. state None means zeros; mask [B, 1] bool marks real tokens (a masked row leaves the
+    state unchanged)."""
+    args = (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
     plan_ = _launch(args, num_key_heads, eps, mask, launch)
     if plan_ is None:
         return None
-    template, grid, group = plan_
-    B, _, Cc = qkv.shape
-    Hv, Dv = z.shape[2:]
-    Dk = (Cc - Hv * Dv) // (2 * num_key_heads)
+    template, grid, group, (Hv, Dv, Dk) = plan_
+    B = proj.shape[0]
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if mask is None:
-        if _ALWAYS is None:
-            _ALWAYS = mx.array([True])
-        mask = _ALWAYS
-    inputs = [qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, mask]
-    shapes = [(B, 1, Hv, Dv), conv_state.shape, (B, Hv, Dv, Dk)]
+    inputs = [proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+              kernels.placeholder(mx.bool_) if mask is None else mask]
+    shapes = [(B, 1, Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk)]
     return tuple(kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
-                              [qkv.dtype, qkv.dtype, mx.float32], init_value))
+                              [proj.dtype, proj.dtype, mx.float32], init_value))
 
 
 # (Hk, Hv, Dk, Dv) the project runs: Qwen3.5/3.6-35B-A3B, the embedded lily-tiny, tests/tiny.py.
@@ -156,7 +150,7 @@ def _instances() -> list[kernels.Instance]:
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_step", body="deltanet_step.inc",
-    input_names=("qkv", "z", "a", "b", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
+    input_names=("proj", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
     output_names=("out", "conv_state_out", "state_out"), template_params=SPEC_PARAMS,
     description="Gated DeltaNet decode step (conv, norms, gates, state update, gated RMSNorm) in one launch",
     instances=_instances,

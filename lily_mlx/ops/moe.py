@@ -1,11 +1,12 @@
 """The fused MoE decode path: two launches per MoE block for a few tokens (M <= 8).
 
-moe_gate_up (kernels/moe_gate_up.inc): silu(x Wg^T) * (x Wu^T) for each token's top-k experts
-and the shared expert. moe_down_combine (kernels/moe_down_combine.inc): the down projections, the
-routing-weighted sum, the sigmoid-gated shared expert and the residual add. Expert ids are read on
-the GPU. One body per kernel for CUDA and Metal. This module plans launches, checks that a kernel
-applies (else the dispatcher runs the unfused ops, which are exactly what the model ran before),
-and registers both switches (their cuda tests passed on the H200, 2026-12-02).
+moe_gate_up (kernels/moe_gate_up.inc): the router's top-k from its logits, the post-attention RMSNorm
+of x, and silu(x Wg^T) * (x Wu^T) for each token's top-k experts and the shared expert; it also
+writes the routing (ids, weights). moe_down_combine (kernels/moe_down_combine.inc): the down
+projections, the routing-weighted sum, the sigmoid-gated shared expert (its gate logit is the router
+logits' last column) and the residual add. Expert ids never leave the GPU. One body per kernel for
+CUDA and Metal. This module plans launches, checks that a kernel applies (else the dispatcher runs
+the unfused ops) and registers both switches (their cuda tests passed on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gather_matmul, kernels, metal_source, quantized_matmul, register_kernel
+from . import gather_matmul, kernels, metal_source, quantized_matmul, reference, register_kernel
 
 MAX_M = 8  # tokens; beyond this the weights are re-read per token and MLX's gather_qmm wins
 MAX_K = 16
+MAX_E = 1024  # routed experts: a lane holds E/32 logits during the top-k
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 X_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
@@ -27,8 +29,9 @@ INDEX_DTYPES = (mx.int32, mx.uint32)  # moe_route's argpartition gives uint32
 STAGE_BUDGET = 6144  # floats one block stages in shared memory (24 KB, under Metal's 32 KB)
 MAX_INFLIGHT = 32  # 16-byte weight chunks a lane holds before computing (registers)
 MIN_BLOCKS = 256  # fewer jobs than this: shrink the blocks so the GPU fills
-GATE_UP_PARAMS = ("BITS", "GS", "H", "I", "IS", "K", "M", "LANES", "RPS", "WARPS")
-DOWN_PARAMS = ("T", "BITS", "GS", "H", "I", "IS", "K", "M", "LANES", "RPS", "WARPS")
+GATE_UP_PARAMS = ("T", "TN", "BITS", "GS", "H", "I", "IS", "K", "M", "E", "LS", "NORMTOPK", "NORM", "EPS_BITS",
+                  "LANES", "RPS", "WARPS")
+DOWN_PARAMS = ("T", "BITS", "GS", "H", "I", "IS", "K", "M", "E", "LS", "LANES", "RPS", "WARPS")
 
 
 def _lanes(*chunks: int) -> int:
@@ -89,18 +92,32 @@ def _quant_shapes_ok(q, rows: int, K: int, bits: int, group_size: int, experts: 
             and s.dtype in SCALE_DTYPES and b.dtype in SCALE_DTYPES)
 
 
-def unsupported_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size: int, bits: int) -> Optional[str]:
-    """Why moe_gate_up does not apply to these arguments (None when it does)."""
+def _routing_ok(logits, lead, E: int, K: int, min_cols: int) -> Optional[str]:
+    if logits.dtype not in X_DTYPES or logits.shape[:-1] != lead or logits.shape[-1] < min_cols:
+        return f"logits: a float [..., >= {min_cols}] expected, got {logits.dtype} {logits.shape}"
+    if not 1 <= K <= min(MAX_K, E) or E > MAX_E:
+        return f"top-k {K} of {E} experts (kernel: k <= {MAX_K}, E <= {MAX_E})"
+    return None
+
+
+def unsupported_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k: int, group_size: int,
+                        bits: int) -> Optional[str]:
+    """Why moe_gate_up does not apply to these arguments (None when it does). norm: (weight [H], eps) or None."""
     if bits not in BITS:
         return f"bits={bits} (kernel has {BITS})"
     if group_size not in GROUP_SIZES:
         return f"group_size={group_size} (kernel has {GROUP_SIZES})"
-    if x.dtype not in X_DTYPES or inds.dtype not in INDEX_DTYPES:
+    if x.dtype not in X_DTYPES:
         return "dtypes"
-    if x.ndim < 1 or inds.ndim < 1 or inds.shape[:-1] != x.shape[:-1] or gate[0].ndim != 3 or shared_gate[0].ndim != 2:
+    if x.ndim < 1 or gate[0].ndim != 3 or shared_gate[0].ndim != 2:
         return "shapes"
-    H, K = x.shape[-1], inds.shape[-1]
+    H, K = x.shape[-1], top_k
     E, I, IS = gate[0].shape[0], gate[0].shape[1], shared_gate[0].shape[0]
+    why = _routing_ok(logits, x.shape[:-1], E, K, E)
+    if why:
+        return why
+    if norm is not None and (norm[0].shape != (H,) or norm[0].dtype not in X_DTYPES or not norm[1] > 0):
+        return "norm: weight [H] of a float dtype and eps > 0 expected"
     if H % group_size or not all(_quant_shapes_ok(q, I, H, bits, group_size, E) for q in (gate, up)):
         return "shapes"
     if not all(_quant_shapes_ok(q, IS, H, bits, group_size, None) for q in (shared_gate, shared_up)):
@@ -110,14 +127,14 @@ def unsupported_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size: i
         return "dtypes: the kernel picks expert or shared scales through one pointer type"
     if min(a.size for a in scales) < metal_source.MAX_CONSTANT_ARRAY_SIZE:
         return "shapes: scales this small are in Metal's constant address space"
-    if x.size == 0 or x.size // H > MAX_M or not 1 <= K <= MAX_K:
-        return f"tokens {x.size // max(H, 1)} > {MAX_M} or top-k {K} > {MAX_K}"
+    if x.size == 0 or x.size // H > MAX_M:
+        return f"tokens {x.size // max(H, 1)} > {MAX_M}"
     if H > STAGE_BUDGET:
         return f"hidden size {H} > {STAGE_BUDGET} staged floats"
     return None
 
 
-def unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size: int,
+def unsupported_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size: int,
                      bits: int) -> Optional[str]:
     """Why moe_down_combine does not apply to these arguments (None when it does)."""
     if bits not in BITS:
@@ -125,23 +142,24 @@ def unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residua
     if group_size not in GROUP_SIZES:
         return f"group_size={group_size} (kernel has {GROUP_SIZES})"
     floats = (mx.float32, mx.bfloat16, mx.float16)
-    if (residual.dtype not in X_DTYPES or inds.dtype not in INDEX_DTYPES
-            or any(a.dtype not in floats for a in (h, hs, scores, gate_logit))):
+    if residual.dtype not in X_DTYPES or inds.dtype not in INDEX_DTYPES or any(a.dtype not in floats for a in (h, hs, weights)):
         return "dtypes"
     if residual.ndim < 1 or inds.ndim < 1 or down[0].ndim != 3 or shared_down[0].ndim != 2:
         return "shapes"
     lead, H, K = residual.shape[:-1], residual.shape[-1], inds.shape[-1]
     E, I, IS = down[0].shape[0], h.shape[-1], hs.shape[-1]
-    if (inds.shape[:-1] != lead or scores.shape != inds.shape or h.shape != (*lead, K, I)
-            or hs.shape != (*lead, IS) or gate_logit.shape != (*lead, 1)):
+    why = _routing_ok(logits, lead, E, K, E + 1)
+    if why:
+        return why
+    if inds.shape[:-1] != lead or weights.shape != inds.shape or h.shape != (*lead, K, I) or hs.shape != (*lead, IS):
         return "shapes"
     if I % group_size or IS % group_size or not _quant_shapes_ok(down, H, I, bits, group_size, E):
         return "shapes"
     if not _quant_shapes_ok(shared_down, H, IS, bits, group_size, None):
         return "shapes"
     M = residual.size // max(H, 1)
-    if residual.size == 0 or M > MAX_M or not 1 <= K <= MAX_K:
-        return f"tokens {M} > {MAX_M} or top-k {K} > {MAX_K}"
+    if residual.size == 0 or M > MAX_M:
+        return f"tokens {M} > {MAX_M}"
     if K * I + IS > STAGE_BUDGET:
         return f"k*I + Is = {K * I + IS} > {STAGE_BUDGET} staged floats"
     if plan_down(M, K, H, I, IS, bits)["inflight"] > MAX_INFLIGHT:
@@ -149,24 +167,30 @@ def unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residua
     return None
 
 
-def gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, inds_dtype=mx.int32,
-                     plan: Optional[dict] = None) -> kernels.Instance:
+def gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, *, norm_dtype=None, eps=1e-6,
+                     logits_dtype=None, LS=None, normalize=True, plan: Optional[dict] = None) -> kernels.Instance:
     p = plan or plan_gate_up(M, K, H, I, IS, bits)
-    template = (("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS), ("K", K), ("M", M),
+    LS = LS or E + 1
+    nd = norm_dtype or x_dtype
+    template = (("T", x_dtype), ("TN", nd), ("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS),
+                ("K", K), ("M", M), ("E", E), ("LS", LS), ("NORMTOPK", bool(normalize)),
+                ("NORM", norm_dtype is not None), ("EPS_BITS", kernels.float_bits(eps) if norm_dtype is not None else 0),
                 ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
     w, s = (mx.uint32, (E, I, H * bits // 32)), (scale_dtype, (E, I, H // group_size))
     sw, ss = (mx.uint32, (IS, H * bits // 32)), (scale_dtype, (IS, H // group_size))
-    inputs = ((x_dtype, (M, H)), (inds_dtype, (M, K)), w, s, s, w, s, s, sw, ss, ss, sw, ss, ss)
-    return kernels.Instance(template, inputs, (mx.float32, mx.float32))
+    inputs = ((x_dtype, (M, H)), (nd, (H,) if norm_dtype is not None else (1,)), (logits_dtype or x_dtype, (M, LS)),
+              w, s, s, w, s, s, sw, ss, ss, sw, ss, ss)
+    return kernels.Instance(template, inputs, (mx.float32, mx.float32, mx.int32, mx.float32))
 
 
-def down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, h_dtype=mx.float32,
-                  inds_dtype=mx.int32, logit_dtype=None, plan: Optional[dict] = None) -> kernels.Instance:
+def down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, *, h_dtype=mx.float32,
+                  inds_dtype=mx.int32, logits_dtype=None, LS=None, plan: Optional[dict] = None) -> kernels.Instance:
     p = plan or plan_down(M, K, H, I, IS, bits)
+    LS = LS or E + 1
     template = (("T", x_dtype), ("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS), ("K", K),
-                ("M", M), ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+                ("M", M), ("E", E), ("LS", LS), ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
     inputs = ((h_dtype, (M, K, I)), (h_dtype, (M, IS)), (inds_dtype, (M, K)), (mx.float32, (M, K)),
-              (logit_dtype or x_dtype, (M, 1)), (mx.uint32, (E, H, I * bits // 32)),
+              (logits_dtype or x_dtype, (M, LS)), (mx.uint32, (E, H, I * bits // 32)),
               (scale_dtype, (E, H, I // group_size)), (scale_dtype, (E, H, I // group_size)),
               (mx.uint32, (H, IS * bits // 32)), (scale_dtype, (H, IS // group_size)),
               (scale_dtype, (H, IS // group_size)), (x_dtype, (M, H)))
@@ -180,71 +204,77 @@ def _signature(*arrays) -> tuple:
     return tuple((a.shape, a.dtype) for a in arrays)
 
 
-def _launch_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size: int, bits: int):
+def _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan):
     # Decode calls the same few shapes thousands of times: plan once per signature.
-    key = ("gate_up", _signature(x, inds, *gate, *up, *shared_gate, *shared_up), group_size, bits)
+    key = ("gate_up", _signature(x, logits, *gate, *up, *shared_gate, *shared_up),
+           None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]), top_k, normalize, group_size, bits,
+           None if plan is None else tuple(sorted(plan.items())))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
     launch = None
-    if unsupported_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size, bits) is None:
-        H, K = x.shape[-1], inds.shape[-1]
+    if unsupported_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, group_size, bits) is None:
+        H, K = x.shape[-1], top_k
         M, (E, I, _), IS = x.size // H, gate[0].shape, shared_gate[0].shape[0]
-        p = plan_gate_up(M, K, H, I, IS, bits)
-        inst = gate_up_instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size)
+        p = plan or plan_gate_up(M, K, H, I, IS, bits)
+        inst = gate_up_instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size,
+                                norm_dtype=None if norm is None else norm[0].dtype, eps=1e-6 if norm is None else norm[1],
+                                logits_dtype=logits.dtype, LS=logits.shape[-1], normalize=normalize, plan=p)
         threads = 32 * p["WARPS"]
-        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, K, H, I, IS)
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, K, I, IS)
     _LAUNCH[key] = launch
     return launch
 
 
-def gate_up(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int, backend: str,
-            init_value: Optional[float] = None):
-    """x [..., H], inds [..., k] -> (h [..., k, I], hs [..., Is]) float32; None if not applicable."""
-    launch = _launch_gate_up(x, inds, gate, up, shared_gate, shared_up, group_size, bits)
+def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, normalize: bool, group_size: int,
+            bits: int, backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None):
+    """x [..., H] (RMS-normalised by norm = (weight, eps) first unless None), router logits [..., >= E] ->
+    (h [..., k, I], hs [..., Is], inds [..., k] int32, weights [..., k] float32); None if not applicable."""
+    launch = _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan)
     if launch is None:
         return None
-    template, grid, group, M, K, H, I, IS = launch
-    inputs = [x.reshape(M, H), inds.reshape(M, K), *gate, *up, *shared_gate, *shared_up]
-    h, hs = kernels.call("moe_gate_up", backend, inputs, template, grid, group, [(M, K, I), (M, IS)],
-                         [mx.float32, mx.float32], init_value)
+    template, grid, group, M, K, I, IS = launch
+    nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
     lead = x.shape[:-1]
-    return h.reshape(*lead, K, I), hs.reshape(*lead, IS)
+    return tuple(kernels.call("moe_gate_up", backend, [x, nw, logits, *gate, *up, *shared_gate, *shared_up], template,
+                              grid, group, [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K)],
+                              [mx.float32, mx.float32, mx.int32, mx.float32], init_value))
 
 
-def _launch_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size: int, bits: int):
-    key = ("down", _signature(h, hs, inds, scores, gate_logit, *down, *shared_down, residual), group_size, bits)
+def _launch_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size, bits, plan):
+    key = ("down", _signature(h, hs, inds, weights, logits, *down, *shared_down, residual), group_size, bits,
+           None if plan is None else tuple(sorted(plan.items())))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
     launch = None
-    if unsupported_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size, bits) is None:
+    if unsupported_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size, bits) is None:
         H, K, I, IS = residual.shape[-1], inds.shape[-1], h.shape[-1], hs.shape[-1]
         M, E = residual.size // H, down[0].shape[0]
-        p = plan_down(M, K, H, I, IS, bits)
-        inst = down_instance(residual.dtype, down[1].dtype, M, K, E, H, I, IS, bits, group_size)
+        p = plan or plan_down(M, K, H, I, IS, bits)
+        inst = down_instance(residual.dtype, down[1].dtype, M, K, E, H, I, IS, bits, group_size, h_dtype=h.dtype,
+                             inds_dtype=inds.dtype, logits_dtype=logits.dtype, LS=logits.shape[-1], plan=p)
         threads = 32 * p["WARPS"]
-        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), M, K, H, I, IS)
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1))
     _LAUNCH[key] = launch
     return launch
 
 
-def down_combine(h, hs, inds, scores, gate_logit, down, shared_down, residual, *, group_size: int, bits: int,
-                 backend: str, init_value: Optional[float] = None):
-    """-> [..., H] in residual's dtype (see ops.moe_down_combine); None if not applicable."""
-    launch = _launch_down(h, hs, inds, scores, gate_logit, down, shared_down, residual, group_size, bits)
+def down_combine(h, hs, inds, weights, logits, down, shared_down, residual, *, group_size: int, bits: int,
+                 backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None):
+    """-> [..., H] in residual's dtype (see ops.moe_decode); None if not applicable."""
+    launch = _launch_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size, bits, plan)
     if launch is None:
         return None
-    template, grid, group, M, K, H, I, IS = launch
-    inputs = [h.reshape(M, K, I), hs.reshape(M, IS), inds.reshape(M, K), scores.reshape(M, K),
-              gate_logit.reshape(M, 1), *down, *shared_down, residual.reshape(M, H)]
-    (y,) = kernels.call("moe_down_combine", backend, inputs, template, grid, group, [(M, H)], [residual.dtype],
+    template, grid, group = launch
+    inputs = [h, hs, inds, weights.astype(mx.float32), logits, *down, *shared_down, residual]
+    (y,) = kernels.call("moe_down_combine", backend, inputs, template, grid, group, [residual.shape], [residual.dtype],
                         init_value)
-    return y.reshape(residual.shape)
+    return y
 
 
 def gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int):
-    """The ops SwitchGLU (unsorted gather) and MLP ran before the fused path, in the same order."""
+    """The ops SwitchGLU (unsorted gather) and MLP run: x [..., H] already normalised -> (h [..., k, I], hs [..., Is])."""
     q = {"group_size": group_size, "bits": bits}
     xe = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
     g = gather_matmul(xe, gate[0], inds, scales=gate[1], biases=gate[2], **q)  # [..., k, 1, I]
@@ -254,7 +284,7 @@ def gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, *, group_size: in
 
 
 def down_combine_unfused(h, hs, inds, scores, gate_logit, down, shared_down, residual, *, group_size: int, bits: int):
-    """The ops SwitchGLU, SparseMoeBlock and the decoder layer's residual add ran before, in the same order."""
+    """The ops SwitchGLU, SparseMoeBlock and the decoder layer's residual add run, in the same order."""
     q = {"group_size": group_size, "bits": bits}
     y = gather_matmul(mx.expand_dims(h, -2), down[0], inds, scales=down[1], biases=down[2], **q).squeeze(-2)  # [..., k, H]
     y = (y * scores[..., None]).sum(axis=-2).astype(residual.dtype)
@@ -277,26 +307,30 @@ def _combos():
 
 
 def _gate_up_instances() -> list[kernels.Instance]:
-    return kernels.unique_instances([gate_up_instance(*c) for c in _combos()])
+    """The model (normed input, bf16 logits) and the test shapes, with and without the norm."""
+    insts = [gate_up_instance(*c, norm_dtype=c[0]) for c in _combos()]
+    insts += [gate_up_instance(*c, normalize=c[3] != 3) for c in _combos()]
+    return kernels.unique_instances(insts, key=kernels.source_key)
 
 
 def _down_instances() -> list[kernels.Instance]:
     insts = [down_instance(*c) for c in _combos()]
     insts.append(down_instance(mx.bfloat16, mx.bfloat16, 1, 8, 256, 2048, 512, 512, 4, 64, h_dtype=mx.bfloat16,
-                               inds_dtype=mx.uint32, logit_dtype=mx.bfloat16))  # unfused h, moe_route's uint32 ids
-    return kernels.unique_instances(insts)
+                               inds_dtype=mx.uint32))  # the unfused gate/up's h and moe_route's uint32 ids
+    return kernels.unique_instances(insts, key=kernels.source_key)
 
 
 GATE_UP_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_gate_up", body="moe_gate_up.inc",
-    input_names=("x", "inds", "wg", "sg", "bg", "wu", "su", "bu", "swg", "ssg", "sbg", "swu", "ssu", "sbu"),
-    output_names=("h", "hs"), template_params=GATE_UP_PARAMS,
-    description="fused MoE gate/up + SwiGLU of the top-k and shared experts, M <= 8 tokens (decode)",
+    input_names=("x", "nw", "logits", "wg", "sg", "bg", "wu", "su", "bu", "swg", "ssg", "sbg", "swu", "ssu", "sbu"),
+    output_names=("h", "hs", "inds", "weights"), template_params=GATE_UP_PARAMS,
+    description="fused MoE routing (top-k of the logits) + input RMSNorm + gate/up + SwiGLU of the top-k and "
+                "shared experts, M <= 8 tokens (decode)",
     instances=_gate_up_instances,
 ))
 DOWN_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_down_combine", body="moe_down_combine.inc",
-    input_names=("h", "hs", "inds", "weights", "shared_gate", "wd", "sd", "bd", "swd", "ssd", "sbd", "residual"),
+    input_names=("h", "hs", "inds", "weights", "logits", "wd", "sd", "bd", "swd", "ssd", "sbd", "residual"),
     output_names=("y",), template_params=DOWN_PARAMS,
     description="fused MoE down projections + top-k combine + gated shared expert + residual, M <= 8 tokens (decode)",
     instances=_down_instances,

@@ -142,7 +142,10 @@ template <typename T> inline T clamp(T v, T lo, T hi) { return min(max(v, lo), h
 inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
 inline float fast_exp(float v) { return std::exp(v); }
 namespace precise {
+using std::cos;
 using std::exp;
+using std::exp2;
+using std::sin;
 using std::sqrt;
 inline float rsqrt(float v) { return 1.0f / std::sqrt(v); }
 }  // namespace precise
