@@ -21,8 +21,13 @@ ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph o
 
 
 class _StaticKV:
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, offset1: mx.array):
         self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
+        self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
+
+    def decode_view(self):
+        """(keys, values, offset [1]): the buffers ops.attention_decode reads before update_and_fetch."""
+        return self.keys, self.values, self.offset1
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
         start = self.offset.reshape(1)
@@ -90,8 +95,9 @@ class CompiledDecoder:
     def _step(self, tokens, offset, *flat):
         shims: List[Any] = [None] * len(self.cache)
         n_kv = len(self.kv_index)
+        offset1 = offset.reshape(1)  # once per step, shared by every attention layer
         for j, i in enumerate(self.kv_index):
-            shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset)
+            shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset, offset1)
         for j, i in enumerate(self.state_index):
             shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
         logits = self.model(tokens, cache=shims)[:, -1, :]

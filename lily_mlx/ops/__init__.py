@@ -198,6 +198,21 @@ def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     return reference.attention(q, k, v, scale=scale, mask=mask)
 
 
+def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float):
+    """One decode token of gated full attention. proj [B, 1, Hq*2*D + 2*Hkv*D] the fused projection (per
+    query head [q | gate], then k, then v); q/k_norm_weight [D]; keys, values [B, Hkv, capacity, D] the
+    cache, of which the first offset [1] int32 positions hold the earlier tokens. q and k are RMS-normalised
+    and rotated at position offset. Returns (softmax(q K^T scale) V * sigmoid(gate) [B, 1, Hq*D], and the
+    new cache row k_new, v_new [B, Hkv, 1, D] for the caller to store)."""
+    args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
+    kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale)
+    out = _try("attn_decode", *args, **kw)
+    if out is not None:
+        return out
+    return reference.attention_decode(*args, **kw)
+
+
 def moe_route(logits, top_k: int, normalize: bool):
     """Router logits [..., E] -> (expert indices [..., k], weights [..., k] float32)."""
     return reference.moe_route(logits, top_k, normalize)
@@ -231,3 +246,4 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
 from . import qmv as _qmv  # noqa: E402,F401
 from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401
+from . import attn_decode as _attn_decode  # noqa: E402,F401

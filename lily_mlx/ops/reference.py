@@ -244,6 +244,28 @@ def attention_oracle(q, k, v, *, scale: float, mask=None) -> mx.array:
     return (mx.softmax(scores, axis=-1) @ vf).astype(q.dtype)
 
 
+def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float):
+    """One decode token of gated attention from the fused projection; see ops.attention_decode. The
+    cache's first `offset` positions and the new row are attended to without copying the cache."""
+    B, Hkv, cap, D = keys.shape
+    Hq, rep = n_heads, n_heads // n_kv_heads
+    q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
+    q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
+    pos = offset.reshape(())
+    q = rope(rms_norm(q, q_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, pos)  # [B, Hq, 1, D]
+    k = rope(rms_norm(k.reshape(B, 1, Hkv, D), k_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, pos)
+    v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
+    qg = q.astype(mx.float32).reshape(B, Hkv, rep, D) * scale
+    s_cache = qg @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, cap]
+    s_cache = mx.where(mx.arange(cap) < pos, s_cache, -math.inf)
+    s_new = qg @ k.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, 1]
+    p = mx.softmax(mx.concatenate([s_cache, s_new], axis=-1), axis=-1)
+    out = p[..., :cap] @ values.astype(mx.float32) + p[..., cap:] * v.astype(mx.float32)  # [B, Hkv, rep, D]
+    out = out.astype(proj.dtype).reshape(B, 1, Hq * D) * mx.sigmoid(gate.reshape(B, 1, Hq * D))
+    return out, k.astype(keys.dtype), v.astype(keys.dtype)
+
+
 def moe_route(logits: mx.array, top_k: int, normalize: bool):
     """Softmax router in float32, top-k, optional renormalisation. logits [..., E] -> (indices [..., k], weights [..., k])."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)

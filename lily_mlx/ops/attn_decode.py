@@ -1,0 +1,162 @@
+"""attn_decode: one token of the gated full-attention layer (decode) from its fused q|k|v projection.
+
+q/k RMSNorm, partial RoPE, the new k/v row, attention over the KV cache (GQA, any head_dim that is a
+multiple of 32: MLX has no fused attention for head_dim 256 on CUDA) and the sigmoid output gate, in
+one launch (kernels/attn_decode.inc); for caches past SINGLE_MAX positions the cache is split over
+blocks and a second launch (kernels/attn_combine.inc) merges the splits. One body each for CUDA and
+Metal. This module plans the split, checks that the kernels apply (else the dispatcher runs the
+reference) and registers switch "attn_decode".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import mlx.core as mx
+
+from . import kernels, register_kernel
+
+ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
+MAX_GROUP = 32  # query heads per kv head: one warp each
+SINGLE_MAX = 512  # cache capacity up to which one launch (one block per kv head) does it all
+MIN_CHUNK = 64  # positions per split at least
+TARGET_BLOCKS = 128  # splits fill about one wave of the GPU's multiprocessors
+TP = 4  # positions a warp has in flight per iteration
+SHARED_BYTES = 32768  # Metal's threadgroup memory
+SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP")
+
+
+def splits(B: int, n_kv_heads: int, capacity: int) -> int:
+    """Blocks per (batch row, kv head): 1 up to SINGLE_MAX cached positions, then enough to fill the GPU."""
+    if capacity <= SINGLE_MAX:
+        return 1
+    return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, TARGET_BLOCKS // (B * n_kv_heads))))
+
+
+def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
+                scale) -> Optional[str]:
+    """Why the kernels do not apply to these arguments (None when they do)."""
+    if keys.ndim != 4 or values.shape != keys.shape:
+        return "keys, values: [B, Hkv, capacity, D] of one shape expected"
+    B, Hkv, cap, D = keys.shape
+    Hq = n_heads
+    if Hkv != n_kv_heads or Hq % Hkv or Hq // Hkv > MAX_GROUP:
+        return f"heads: {Hq} query heads over {Hkv} kv heads (at most {MAX_GROUP} per kv head)"
+    if D % 32 or D > MAX_HEAD_DIM or rope_dims % 2 or not 2 <= rope_dims <= D:
+        return f"head_dim {D} (a multiple of 32 up to {MAX_HEAD_DIM}) / rope dims {rope_dims}"
+    if proj.shape != (B, 1, Hq * 2 * D + 2 * Hkv * D):
+        return f"proj: [B, 1, Hq*2*D + 2*Hkv*D] expected, got {proj.shape}"
+    if proj.dtype not in ACT_DTYPES or keys.dtype not in ACT_DTYPES or values.dtype != keys.dtype:
+        return "dtypes"
+    if q_norm_weight.shape != (D,) or k_norm_weight.shape != (D,) or q_norm_weight.dtype not in ACT_DTYPES \
+            or k_norm_weight.dtype != q_norm_weight.dtype or not eps > 0:
+        return "norms: weights [D] of one float dtype and eps > 0 expected"
+    if offset.shape != (1,) or offset.dtype != mx.int32:
+        return "offset: int32 [1] expected"
+    if (Hq // Hkv + 2) * D * 4 > SHARED_BYTES:
+        return f"{Hq // Hkv} query heads of {D} floats per block exceed {SHARED_BYTES} bytes of shared memory"
+    if not scale > 0:
+        return f"scale {scale}"
+    return None
+
+
+def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
+             eps: float, scale: float, split: bool, capacity: int = 16) -> kernels.Instance:
+    template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
+                ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
+                ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
+                ("TP", TP))
+    kv = (cache_dtype, (B, Hkv, capacity, D))
+    inputs = ((dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)))
+    return kernels.Instance(template, inputs, (dtype, cache_dtype, cache_dtype, mx.float32, mx.float32))
+
+
+def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) -> kernels.Instance:
+    template = (("T", dtype), ("HQ", Hq), ("HKV", Hkv), ("D", D))
+    inputs = ((mx.float32, (B, Hq, nsplit, D)), (mx.float32, (B, Hq, nsplit, 2)), (dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)))
+    return kernels.Instance(template, inputs, (dtype,))
+
+
+_LAUNCH: dict = {}
+
+
+def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str,
+                     init_value: Optional[float] = None):
+    """(out [B, 1, Hq*D], k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, D]) or None when the kernels do not apply.
+    See ops.attention_decode for the arguments."""
+    key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
+           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale)
+    launch = _LAUNCH.get(key, False)
+    if launch is False:
+        launch = None
+        if unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
+                       scale) is None:
+            B, Hkv, cap, D = keys.shape
+            ns = splits(B, Hkv, cap)
+            inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
+                            eps, scale, ns > 1)
+            comb = combine_instance(proj.dtype, B, n_heads, Hkv, D)
+            launch = (list(inst.template), list(comb.template), ns)
+        _LAUNCH[key] = launch
+    if launch is None:
+        return None
+    template, comb_template, ns = launch
+    B, Hkv, _, D = keys.shape
+    Hq, threads = n_heads, 32 * (n_heads // Hkv)
+    split = ns > 1
+    shapes = [(B, 1, Hq * D) if not split else (1,), (B, Hkv, 1, D), (B, Hkv, 1, D),
+              (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
+    out, k_new, v_new, part_acc, part_ml = kernels.call(
+        "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset], template,
+        (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
+        [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
+    if split:
+        (out,) = kernels.call("attn_combine", backend, [part_acc, part_ml, proj], comb_template, (B * Hq * 32, 1, 1),
+                              (32, 1, 1), [(B, 1, Hq * D)], [proj.dtype], init_value)
+    return out, k_new, v_new
+
+
+# (B, Hq, Hkv, D, rope dims) the project runs: Qwen3.5/3.6-35B-A3B, lily-tiny, tests/tiny.py; test shapes.
+MODEL_HEADS = ((1, 16, 2, 256, 64), (2, 16, 2, 256, 64), (1, 4, 2, 32, 8), (1, 4, 2, 64, 16))
+TEST_HEADS = ((2, 6, 2, 64, 16), (1, 3, 3, 96, 32), (3, 8, 1, 32, 32), (1, 5, 1, 128, 2))
+
+
+def _instances() -> list[kernels.Instance]:
+    out = []
+    for B, Hq, Hkv, D, rd in MODEL_HEADS + TEST_HEADS:
+        for dt in ACT_DTYPES:
+            for split in (False, True):
+                out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split))
+    return kernels.unique_instances(out, key=kernels.source_key)
+
+
+def _combine_instances() -> list[kernels.Instance]:
+    return kernels.unique_instances([combine_instance(dt, B, Hq, Hkv, D) for B, Hq, Hkv, D, _ in MODEL_HEADS + TEST_HEADS
+                                     for dt in ACT_DTYPES], key=kernels.source_key)
+
+
+SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="attn_decode", body="attn_decode.inc",
+    input_names=("proj", "qn", "kn", "keys", "values", "offset"),
+    output_names=("out", "k_new", "v_new", "part_acc", "part_ml"), template_params=SPEC_PARAMS,
+    description="gated attention decode step: q/k norm + partial RoPE + new KV row + GQA attention over the cache "
+                "(split over blocks for long caches) + output gate",
+    instances=_instances,
+))
+COMBINE_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="attn_combine", body="attn_combine.inc", input_names=("part_acc", "part_ml", "proj"), output_names=("out",),
+    template_params=("T", "HQ", "HKV", "D"), description="merges split decode attention and applies the output gate",
+    instances=_combine_instances,
+))
+
+
+def _dispatch(*args, **kwargs):
+    from . import backend
+
+    return attention_decode(*args, **kwargs, backend=backend())
+
+
+register_kernel("attn_decode", SPEC.description, _dispatch)

@@ -1,0 +1,241 @@
+"""attn_decode / attn_combine (the fused decode attention) against the reference op, and the reference
+against the model's unfused attention (cache update, q/k norm, RoPE, mx.fast SDPA, output gate).
+
+CPU: both kernels' Metal sources on the emulator (tests/emulator.py), split and unsplit, outputs
+poisoned with NaN. `cuda` / `metal`: the same through MLX, at the 35B-A3B shape, and whole-model
+greedy decoding with the kernel on vs off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import lily_mlx
+from emulator import GXX, Emulator
+from lily_mlx import ops
+from lily_mlx.embedded import EMBEDDED_MODEL
+from lily_mlx.ops import attn_decode as ad
+from lily_mlx.ops import kernels, reference
+
+F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
+TOL = {F32: 2e-5, BF16: 1.5e-2, F16: 3e-3}  # the output's rounding; bf16 also the rounded q/k feeding the scores
+
+
+class Case:
+    """B, Hq, Hkv, D, rope dims, cache capacity, offset (tokens already cached), dtype, splits (None: planned)."""
+
+    def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4):
+        self.B, self.Hq, self.Hkv, self.D, self.rope, self.cap, self.offset = B, Hq, Hkv, D, rope, cap, offset
+        self.dtype, self.theta = dtype, theta
+        self.nsplit = nsplit or ad.splits(B, Hkv, cap)
+
+    def __repr__(self):
+        return (f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-rope{self.rope}-cap{self.cap}-off{self.offset}-"
+                f"{str(self.dtype).split('.')[-1]}-split{self.nsplit}")
+
+    def arrays(self, seed=0):
+        k = mx.random.split(mx.random.key(seed), 5)
+        B, Hq, Hkv, D = self.B, self.Hq, self.Hkv, self.D
+        proj = (mx.random.normal((B, 1, Hq * 2 * D + 2 * Hkv * D), key=k[0]) * 2).astype(self.dtype)
+        qn = (1 + 0.3 * mx.random.normal((D,), key=k[1])).astype(self.dtype)
+        kn = (1 + 0.3 * mx.random.normal((D,), key=k[2])).astype(self.dtype)
+        keys = mx.random.normal((B, Hkv, self.cap, D), key=k[3]).astype(self.dtype)
+        values = mx.random.normal((B, Hkv, self.cap, D), key=k[4]).astype(self.dtype)
+        return proj, qn, kn, keys, values, mx.array([self.offset], dtype=mx.int32)
+
+    def kw(self):
+        return dict(n_heads=self.Hq, n_kv_heads=self.Hkv, rope_dims=self.rope, rope_theta=self.theta,
+                    scale=self.D**-0.5)
+
+    def reference(self, args):
+        with mx.stream(mx.cpu):
+            out = reference.attention_decode(*args[:3], 1e-6, *args[3:], **self.kw())
+            mx.eval(out)
+        return out
+
+
+def _rel(x, ref):
+    x, ref = x.astype(F32), ref.astype(F32)
+    assert not mx.isnan(x).any().item(), "unwritten (NaN) outputs"
+    return (mx.linalg.norm(x.flatten() - ref.flatten()) / mx.linalg.norm(ref.flatten())).item()
+
+
+def _check(case, got, ref):
+    out, k_new, v_new = got
+    assert out.shape == (case.B, 1, case.Hq * case.D) and out.dtype == case.dtype
+    assert k_new.shape == (case.B, case.Hkv, 1, case.D) == v_new.shape
+    assert mx.array_equal(v_new, ref[2]).item(), f"{case}: v_new differs"
+    errs = _rel(out, ref[0]), _rel(k_new, ref[1])
+    assert errs[0] < TOL[case.dtype] and errs[1] < TOL[case.dtype] / 4, f"{case}: out, k_new rel errors {errs}"
+    return errs
+
+
+# Odd shapes: Hq/Hkv groups 2, 3, 1 and 8, D 32..96, partial and full rope, an empty cache
+# (offset 0), a full one (offset == capacity), splits 1..5 with uneven chunks and empty splits.
+EMULATED = [
+    Case(1, 4, 2, 32, 8, 16, 5),
+    Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3),
+    Case(3, 8, 1, 32, 32, 7, 0),
+    Case(1, 3, 3, 96, 32, 70, 64, F16, nsplit=4),
+    Case(1, 8, 1, 64, 16, 24, 24, BF16),
+    Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5),  # 4 positions over 5 splits: one split is empty
+]
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_metal_emulated_matches_reference(tmp_path):
+    emu, splits = Emulator(tmp_path / "a"), []
+    (tmp_path / "a").mkdir()
+    for c, case in enumerate(EMULATED):
+        args = case.arrays(c)
+        split = case.nsplit > 1
+        inst = ad.instance(case.dtype, case.dtype, case.dtype, case.B, case.Hq, case.Hkv, case.D, case.rope, case.theta,
+                           1e-6, case.D**-0.5, split)
+        threads = 32 * (case.Hq // case.Hkv)
+        B, Hq, ns, D = case.B, case.Hq, case.nsplit, case.D
+        shapes = [(B, 1, Hq * D) if not split else (1,), (B, case.Hkv, 1, D), (B, case.Hkv, 1, D),
+                  (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
+        emu.add(ad.SPEC, inst, list(args), (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
+    first = emu.run()
+    combine = Emulator(tmp_path / "b")
+    (tmp_path / "b").mkdir()
+    for c, case in enumerate(EMULATED):
+        if case.nsplit > 1:
+            proj = case.arrays(c)[0]
+            inst = ad.combine_instance(case.dtype, case.B, case.Hq, case.Hkv, case.D, case.nsplit)
+            n = combine.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * 32, 1, 1),
+                            (32, 1, 1), [(case.B, 1, case.Hq * case.D)])
+            splits.append((c, n))
+    merged = dict((c, combine.run()[n][0]) for c, n in splits) if splits else {}
+    for c, case in enumerate(EMULATED):
+        out = merged[c] if case.nsplit > 1 else first[c][0]
+        _check(case, (out, first[c][1], first[c][2]), case.reference(case.arrays(c)))
+
+
+def test_reference_matches_the_unfused_attention():
+    """The reference op equals the model's plain path: norms, RoPE, KVCache update, mx.fast SDPA, gate."""
+    case = Case(2, 6, 2, 64, 16, 300, 37)
+    proj, qn, kn, keys, values, offset = case.arrays(3)
+    D, Hq, Hkv, B = case.D, case.Hq, case.Hkv, case.B
+    out, k_new, v_new = reference.attention_decode(proj, qn, kn, 1e-6, keys, values, offset, **case.kw())
+    cache = KVCache()
+    cache.update_and_fetch(keys[:, :, :37], values[:, :, :37])
+    q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
+    q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
+    q = mx.fast.rope(mx.fast.rms_norm(q, qn, 1e-6).transpose(0, 2, 1, 3), 16, traditional=False, base=1e4, scale=1.0,
+                     offset=37)
+    k = mx.fast.rope(mx.fast.rms_norm(k.reshape(B, 1, Hkv, D), kn, 1e-6).transpose(0, 2, 1, 3), 16, traditional=False,
+                     base=1e4, scale=1.0, offset=37)
+    kk, vv = cache.update_and_fetch(k, v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3))
+    plain = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5).transpose(0, 2, 1, 3).reshape(B, 1, -1)
+    plain = plain * mx.sigmoid(gate.reshape(B, 1, -1))
+    assert _rel(out, plain) < 1e-5 and mx.array_equal(k_new, k).item()
+
+
+def test_model_decode_matches_the_generic_path(monkeypatch):
+    """Greedy decoding of the embedded model through the fused-attention op (on CPU its reference)
+    against the model with that branch off (the generic cache path)."""
+    from lily_mlx import model as model_mod
+
+    model, _ = lily_mlx.load_model(EMBEDDED_MODEL)
+
+    def run():
+        cache = model.make_cache()
+        logits = [model(mx.array([[5, 9, 33, 7, 101, 2]]), cache=cache)[:, -1]]
+        for t in range(6):
+            logits.append(model(mx.argmax(logits[-1], -1)[:, None], cache=cache)[:, -1])
+        return mx.stack(logits)
+
+    calls = []
+    real = ops.attention_decode
+    monkeypatch.setattr(ops, "attention_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = run()
+    assert len(calls) == 6, "the decode steps did not take ops.attention_decode"
+    monkeypatch.setattr(model_mod, "_decode_kv", lambda cache, mask: None)
+    assert _rel(fused, run()) < 1e-5
+
+
+def test_splits_and_unsupported():
+    assert ad.splits(1, 2, 300) == 1 and ad.splits(1, 2, ad.SINGLE_MAX) == 1
+    assert ad.splits(1, 2, 4096) == ad.TARGET_BLOCKS // 2 and ad.splits(1, 2, 1000) == math.ceil(1001 / ad.MIN_CHUNK)
+    assert ad.splits(64, 2, 4096) == 2
+    case = Case(1, 4, 2, 32, 8, 16, 5)
+    args = list(case.arrays())
+
+    def why(i=None, value=None, **kw):
+        a = list(args)
+        if i is not None:
+            a[i] = value
+        k = dict(case.kw(), **kw)
+        return ad.unsupported(a[0], a[1], a[2], 1e-6, a[3], a[4], a[5], k["n_heads"], k["n_kv_heads"], k["rope_dims"],
+                              k["scale"])
+
+    assert why() is None
+    assert "heads" in why(n_heads=5)
+    assert "head_dim" in why(rope_dims=7)
+    assert "proj" in why(0, args[0][..., 1:])
+    assert "offset" in why(5, mx.array(5))
+    assert "dtypes" in why(4, args[4].astype(BF16))
+    assert "shared memory" in ad.unsupported(mx.zeros((1, 1, 32 * 2 * 512 + 2 * 512)), mx.ones(512), mx.ones(512), 1e-6,
+                                             mx.zeros((1, 1, 4, 512)), mx.zeros((1, 1, 4, 512)), args[5], 32, 1, 64, 0.1)
+    assert ad.attention_decode(*args[:3], 1e-6, *args[3:5], mx.array(5), backend="cuda", **case.kw()) is None
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------
+
+GPU_CASES = EMULATED + [
+    Case(1, 16, 2, 256, 64, 300, 200, BF16, theta=1e7),  # 35B-A3B, short context: one launch
+    Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7),  # split over 64 blocks per kv head
+    Case(2, 16, 2, 256, 64, 1024, 1024, F32, theta=1e7),
+]
+
+
+def _gpu(backend, case):
+    args = case.arrays(7)
+    got = ad.attention_decode(*args[:3], 1e-6, *args[3:], backend=backend, init_value=float("nan"), **case.kw())
+    assert got is not None, f"attn_decode declined {case}"
+    _check(case, got, case.reference(args))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=repr)
+def test_attn_decode_cuda(case):
+    _gpu("cuda", case)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", GPU_CASES, ids=repr)
+def test_attn_decode_metal(case):
+    _gpu("metal", case)
+
+
+def _model_on_vs_off():
+    model, _ = lily_mlx.load_model(EMBEDDED_MODEL)
+    runs = []
+    for on in (True, False):
+        with ops.disabled(*([] if on else ["attn_decode"])):
+            cache = model.make_cache()
+            logits = model(mx.array([[5, 9, 33, 7, 101, 2, 64, 12]]), cache=cache)[:, -1]
+            toks = []
+            for _ in range(64):
+                tok = mx.argmax(logits, -1)[:, None]
+                toks.append(tok)
+                logits = model(tok, cache=cache)[:, -1]
+            runs.append((mx.concatenate(toks, 1), logits))
+    assert mx.array_equal(runs[0][0], runs[1][0]).item(), "64 greedy tokens differ with attn_decode on"
+    assert _rel(runs[0][1], runs[1][1]) < 1e-4
+
+
+@pytest.mark.cuda
+def test_model_greedy_with_kernel_cuda():
+    _model_on_vs_off()
+
+
+@pytest.mark.metal
+def test_model_greedy_with_kernel_metal():
+    _model_on_vs_off()
