@@ -369,15 +369,14 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure renders off-screen without pyplot, so a caller's backend (a notebook's inline one) is untouched.
+    from matplotlib.figure import Figure
 
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     arms = list(report["settings"]["arms"])
     base = report["baseline"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig = Figure(figsize=(17, 4.8))
+    axes = fig.subplots(1, 3)
     color = {a: f"C{i}" for i, a in enumerate(arms)}  # one colour per arm, one line style per (g, b)
     series = sorted({(r["generation_tokens"], r["batch_size"]) for r in rows})
     styles = {gb: ("-", "--", ":", "-.")[i % 4] for i, gb in enumerate(series)}
@@ -412,7 +411,6 @@ def plot(report: dict, path: str) -> None:
                  + (f" ({refused} refused rows omitted)" if refused else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_kernels(argv: list[str]) -> int:

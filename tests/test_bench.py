@@ -139,6 +139,17 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
         assert row["bytes_per_decode_step"]["total"] > row["bytes_per_decode_step"]["dense_weights"] > 0
     assert "| 16 | 4 | 1 | stock |" in (tmp_path / "t.md").read_text()
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    # The plot renders off-screen without switching the caller's matplotlib backend (a notebook's inline one).
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        ab.plot(report, str(tmp_path / "again.png"))
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "again.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
