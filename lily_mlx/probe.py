@@ -139,7 +139,7 @@ def trace(model: Model, inputs, *, ablate: Iterable[tuple[int, str]] = (), state
         if (i, "moe") in cut:
             moe_out, h_next = layer.mlp(xn), h_mid
         else:
-            h_next = layer.mlp(xn, residual=h_mid)  # the model's own (possibly fused) residual add
+            h_next = layer.mlp.add_to(h_mid, layer.post_attention_layernorm)  # the model's own (fused) path
             moe_out = h_next - h_mid
         moe = layer.mlp
         inds, weights = ops.moe_route(moe.gate(xn), moe.top_k, moe.norm_topk_prob)

@@ -111,7 +111,7 @@ def test_ablation(embedded):
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         h = h + mixer(layer.input_layernorm(h), None if layer.is_linear else mask, None)
         if i < last:
-            h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
     np.testing.assert_allclose(np.array(cut.logits), np.array(lm.logits(lm.model.norm(h))), rtol=1e-5, atol=1e-5)
     # Sublayers upstream of the cut record the same; logprobs differ.
     np.testing.assert_array_equal(cut.layers[0].mixer_norm, base.layers[0].mixer_norm)
