@@ -108,8 +108,9 @@ def test_metal_emulated_matches_reference(tmp_path):
         if case.nsplit > 1:
             proj = case.arrays(c)[0]
             inst = ad.combine_instance(case.dtype, case.B, case.Hq, case.Hkv, case.D, case.nsplit)
-            n = combine.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * 32, 1, 1),
-                            (32, 1, 1), [(case.B, 1, case.Hq * case.D)])
+            threads = 32 * ad.COMBINE_WARPS
+            n = combine.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * threads, 1, 1),
+                            (threads, 1, 1), [(case.B, 1, case.Hq * case.D)])
             splits.append((c, n))
     merged = dict((c, combine.run()[n][0]) for c, n in splits) if splits else {}
     for c, case in enumerate(EMULATED):
@@ -161,9 +162,9 @@ def test_model_decode_matches_the_generic_path(monkeypatch):
 
 
 def test_splits_and_unsupported():
-    assert ad.splits(1, 2, 300) == 1 and ad.splits(1, 2, ad.SINGLE_MAX) == 1
+    assert ad.splits(1, 2, 20) == 1 and ad.splits(1, 2, ad.SINGLE_MAX) == 1
     assert ad.splits(1, 2, 4096) == ad.TARGET_BLOCKS // 2 and ad.splits(1, 2, 1000) == math.ceil(1001 / ad.MIN_CHUNK)
-    assert ad.splits(64, 2, 4096) == 2
+    assert ad.splits(1, 2, 300) == math.ceil(301 / ad.MIN_CHUNK) and ad.splits(256, 2, 4096) == 2
     case = Case(1, 4, 2, 32, 8, 16, 5)
     args = list(case.arrays())
 
@@ -189,8 +190,9 @@ def test_splits_and_unsupported():
 # ---- on the GPU ----------------------------------------------------------------------------------
 
 GPU_CASES = EMULATED + [
-    Case(1, 16, 2, 256, 64, 300, 200, BF16, theta=1e7),  # 35B-A3B, short context: one launch
-    Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7),  # split over 64 blocks per kv head
+    Case(1, 16, 2, 256, 64, 30, 20, BF16, theta=1e7),  # 35B-A3B, a few cached tokens: one launch
+    Case(1, 16, 2, 256, 64, 300, 200, BF16, theta=1e7),
+    Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7),  # split over 256 blocks per kv head
     Case(2, 16, 2, 256, 64, 1024, 1024, F32, theta=1e7),
 ]
 

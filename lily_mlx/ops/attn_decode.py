@@ -20,10 +20,14 @@ from . import kernels, register_kernel
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
 MAX_GROUP = 32  # query heads per kv head: one warp each
-SINGLE_MAX = 512  # cache capacity up to which one launch (one block per kv head) does it all
-MIN_CHUNK = 64  # positions per split at least
-TARGET_BLOCKS = 128  # splits fill about one wave of the GPU's multiprocessors
+# A block's positions are a chain of dependent loads (one memory latency per TP positions), so past a
+# few dozen positions the cache is split over many blocks: measured on the H200 (2026-12-02), one block
+# per kv head over 512 positions cost ~175 us per layer, 64 blocks of 64 positions ~20 us.
+SINGLE_MAX = 32  # cache capacity up to which one launch (one block per kv head) does it all
+MIN_CHUNK = 16  # positions per split at least
+TARGET_BLOCKS = 512  # blocks of 8 warps: about four per multiprocessor
 TP = 4  # positions a warp has in flight per iteration
+COMBINE_WARPS = 8
 SHARED_BYTES = 32768  # Metal's threadgroup memory
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP")
 
@@ -74,7 +78,7 @@ def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, 
 
 
 def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) -> kernels.Instance:
-    template = (("T", dtype), ("HQ", Hq), ("HKV", Hkv), ("D", D))
+    template = (("T", dtype), ("HQ", Hq), ("HKV", Hkv), ("D", D), ("WARPS", COMBINE_WARPS))
     inputs = ((mx.float32, (B, Hq, nsplit, D)), (mx.float32, (B, Hq, nsplit, 2)), (dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)))
     return kernels.Instance(template, inputs, (dtype,))
 
@@ -114,8 +118,9 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
         (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
         [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
     if split:
-        (out,) = kernels.call("attn_combine", backend, [part_acc, part_ml, proj], comb_template, (B * Hq * 32, 1, 1),
-                              (32, 1, 1), [(B, 1, Hq * D)], [proj.dtype], init_value)
+        threads = 32 * COMBINE_WARPS
+        (out,) = kernels.call("attn_combine", backend, [part_acc, part_ml, proj], comb_template,
+                              (B * Hq * threads, 1, 1), (threads, 1, 1), [(B, 1, Hq * D)], [proj.dtype], init_value)
     return out, k_new, v_new
 
 
@@ -148,7 +153,8 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 COMBINE_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_combine", body="attn_combine.inc", input_names=("part_acc", "part_ml", "proj"), output_names=("out",),
-    template_params=("T", "HQ", "HKV", "D"), description="merges split decode attention and applies the output gate",
+    template_params=("T", "HQ", "HKV", "D", "WARPS"),
+    description="merges split decode attention and applies the output gate",
     instances=_combine_instances,
 ))
 
