@@ -209,7 +209,7 @@ def test_mtp_head_matches_training_script(ours_f32):
     assert rel(np.array(model.language_model.logits(hidden)), main.numpy()) <= 1e-5
 
 
-def test_trained_heldout_nll_and_mtp_acceptance(ours, ours_f32, ours_4bit):
+def test_trained_heldout_nll_and_mtp_acceptance(ours, ours_f32):
     ids = heldout_ids(ours[1], 1024)
     nll, accept = heldout(ours_f32["hf-bf16"], ids)
     # The training script measured these with torch on the same weights but exact 1 + w norm weights:
@@ -217,10 +217,12 @@ def test_trained_heldout_nll_and_mtp_acceptance(ours, ours_f32, ours_4bit):
     assert nll == pytest.approx(STATS["heldout_nll_first_1024"], abs=0.005)
     assert accept == pytest.approx(STATS["heldout_mtp_acceptance_first_1024"], abs=0.005)
     entropy, uniform = STATS["val_unigram_entropy"], np.log(2048)
-    for model in (ours_f32["hf-bf16"], ours[0], ours_4bit[0]):
+    # The 4-bit layout in float32: MLX's CPU bf16 quantized matmuls take 9 s on these 1023 tokens (stock's too),
+    # float32 1.5 s; its bf16 path is covered by test_bf16_compute_follows_goldens.
+    for model in (ours_f32["hf-bf16"], ours[0], ours_f32["mlx-4bit"]):
         nll, accept = heldout(model, ids)
-        # Measured on this slice: NLL 4.47 (float32, bf16), 4.49 (4-bit), i.e. perplexity ~88 against 2048 for
-        # uniform and 590 for unigram; MTP acceptance 0.415, 0.412, 0.387.
+        # Measured on this slice: NLL 4.47 (float32, bf16), 4.48 (4-bit), i.e. perplexity ~88 against 2048 for
+        # uniform and 590 for unigram; MTP acceptance 0.415, 0.412, 0.390.
         assert nll < min(4.7, entropy - 1.5, uniform - 2.9)
         assert accept > 0.35
 
