@@ -333,6 +333,8 @@ def mtp_forward(model, mtp, hidden, next_ids, router_logits=None):
     Concatenation order [norm(embed(t+1)) | norm(h_t)]; causal attention over the L positions."""
     import torch
 
+    if model.config.text_config._attn_implementation != "sdpa":  # only SDPA makes a mask-less call causal
+        raise RuntimeError(f"the MTP layer needs SDPA attention, got {model.config.text_config._attn_implementation!r}")
     lm = model.model.language_model
     h = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(lm.embed_tokens(next_ids)), mtp.pre_fc_norm_hidden(hidden)], -1))
     pos = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
