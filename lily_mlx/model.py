@@ -281,7 +281,8 @@ class LanguageModel(nn.Module):
 
 class MTP(nn.Module):
     """The checkpoint's multi-token-prediction head (`mtp.*`): fc([norm(embed(t+1)) | norm(h_t)]) ->
-    full-attention MoE decoder layer(s) -> norm -> the main lm_head. Kept for speculative decoding."""
+    full-attention MoE decoder layer(s) -> norm -> the main lm_head. Kept for speculative decoding.
+    h_t is the main model's output after its final norm (what lm_head scores), as vLLM feeds Qwen3-Next's head."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int):
         super().__init__()
@@ -334,6 +335,14 @@ class Model(nn.Module):
     @property
     def layers(self):
         return self.language_model.model.layers
+
+    def mtp_logits(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
+        """Logits for token t+2 from hidden [B, L, H] (the text model's final-norm output at t) and token t+1
+        [B, L]; cache: one KV cache per MTP layer."""
+        if "mtp" not in self:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
+        embeddings = self.language_model.model.embed_tokens(next_tokens)
+        return self.language_model.logits(self.mtp(embeddings, hidden, cache))
 
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:
         """DeltaNet layers: [conv state, recurrent state]; attention layers: a KV cache, a rotating

@@ -24,7 +24,7 @@ DEFAULT_MAX_TOKENS = 100
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lily-mlx generate", description="Generate text (flags follow mlx_lm.generate).")
-    p.add_argument("--model", type=str, default="embedded", help="model folder, hub repo, or 'embedded' (default)")
+    p.add_argument("--model", type=str, default="embedded", help="model folder, hub repo, 'embedded' (default, bf16) or 'embedded-4bit'")
     p.add_argument("--revision", type=str, default=None, help="hub revision (branch, tag or commit)")
     p.add_argument("--extra-eos-token", type=str, default=(), nargs="+", help="extra end-of-sequence tokens")
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")

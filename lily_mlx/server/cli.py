@@ -39,7 +39,7 @@ def _positive(kind):
 
 def build_parser(prog: str = "lily-mlx serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for lily_mlx models.")
-    p.add_argument("--model", default="embedded", help="model folder, hub repo id (owner/name), or 'embedded' (default)")
+    p.add_argument("--model", default="embedded", help="model folder, hub repo id (owner/name), 'embedded' (default, bf16) or 'embedded-4bit'")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: from --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
