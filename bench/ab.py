@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
                          "lily-no-each (one arm per kernel switch), lily-with-<switch>[+<switch>...] (default-off kernels on)")
     ap.add_argument("--max-drift", type=float, default=0.03, help="refuse a row whose rounds spread more than this")
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--dtype", choices=arm_mod.DTYPES,
+                    help="cast both engines' floating parameters after loading (float32: stock mlx-lm on a CPU "
+                         "with a bf16 MoE checkpoint)")
     ap.add_argument("--isolation", choices=("arm", "round"), default="arm",
                     help="a fresh process per arm for the whole run (default) or per arm and round")
     ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompt token ids")
@@ -122,7 +125,7 @@ class Worker:
         self.log_path = log_dir / f"{arm}.{len(list(log_dir.glob(f'{arm}.*.log')))}.log"
         self.log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", f"{__package__}.arm", "--arm", arm, "--model", str(model),
-               "--prefill-step-size", str(args.prefill_step_size)]
+               "--prefill-step-size", str(args.prefill_step_size)] + (["--dtype", args.dtype] if args.dtype else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=_child_env(arm))
         self.timeout = args.trial_timeout
         self.info: dict = {}

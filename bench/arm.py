@@ -84,14 +84,28 @@ def loop_module(engine: str):
     return loop
 
 
-def load(engine: str, path: str):
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load(engine: str, path: str, dtype: Optional[str] = None):
+    """(model, tokenizer) of one engine. dtype casts every floating parameter after loading, the same
+    in both engines (float32 lets stock mlx-lm run a bf16 MoE checkpoint on MLX's CPU, whose expert
+    matmul is float32-only)."""
     if engine == "stock":
         import mlx_lm
 
-        return mlx_lm.load(path)
-    import lily_mlx
+        model, tokenizer = mlx_lm.load(path)
+    else:
+        import lily_mlx
 
-    return lily_mlx.load(path)
+        model, tokenizer = lily_mlx.load(path)
+    if dtype is not None:
+        import mlx.core as mx
+
+        model.set_dtype(getattr(mx, dtype))
+        if engine != "stock":
+            model.fuse_projections()  # the cast replaced the arrays the fused projections were built from
+    return model, tokenizer
 
 
 def prompts(seed: int, batch: int, length: int, vocab: int):
@@ -170,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arm", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--dtype", choices=DTYPES)
     args = ap.parse_args(argv)
     # The protocol keeps the real stdout; anything printed (Python or C) goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -184,7 +199,7 @@ def main(argv=None) -> int:
         model_engine, loop_engine, switch, opted_in = parse_arm(args.arm)
         loop = loop_module(loop_engine)
         t0 = time.perf_counter()
-        model, tokenizer = load(model_engine, args.model)
+        model, tokenizer = load(model_engine, args.model, args.dtype)
         load_s = time.perf_counter() - t0
         tokenizer.eos_token_ids = []  # as mlx_lm.benchmark: never stop early
         import mlx.core as mx

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import random_model
+from . import arm, random_model
 
 
 class PerplexityError(ValueError):
@@ -92,14 +92,8 @@ def token_logprobs(model, ids: np.ndarray, context: int, stride: int, batch_size
     return out
 
 
-def load_engine(engine: str, path: str):
-    if engine == "stock":
-        import mlx_lm
-
-        return mlx_lm.load(path)[0]
-    import lily_mlx
-
-    return lily_mlx.load(path)[0]
+def load_engine(engine: str, path: str, dtype: Optional[str] = None):
+    return arm.load(engine, path, dtype)[0]
 
 
 def summary(lp: np.ndarray, seconds: float) -> dict:
@@ -110,12 +104,13 @@ def summary(lp: np.ndarray, seconds: float) -> dict:
             "seconds": seconds, "tokens_per_s": nll.size / seconds if seconds > 0 else None}
 
 
-def evaluate(model_path: Path, ids: np.ndarray, engines: list[str], context: int, stride: int, batch_size: int, progress=None) -> dict:
+def evaluate(model_path: Path, ids: np.ndarray, engines: list[str], context: int, stride: int, batch_size: int, progress=None,
+             dtype: Optional[str] = None) -> dict:
     import mlx.core as mx
 
     results, lps = {}, {}
     for engine in engines:
-        model = load_engine(engine, str(model_path))
+        model = load_engine(engine, str(model_path), dtype)
         t0 = time.perf_counter()
         lps[engine] = token_logprobs(model, ids, context, stride, batch_size, progress)
         results[engine] = summary(lps[engine], time.perf_counter() - t0)
@@ -124,7 +119,8 @@ def evaluate(model_path: Path, ids: np.ndarray, engines: list[str], context: int
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
-    report = {"model": str(model_path), "context_length": context, "stride": stride, "batch_size": batch_size, "engines": results}
+    report = {"model": str(model_path), "context_length": context, "stride": stride, "batch_size": batch_size,
+              "dtype": dtype, "engines": results}
     if len(engines) == 2:
         a, b = engines
         diff = np.abs(lps[a].astype(np.float64) - lps[b])
@@ -157,6 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     eng = ap.add_mutually_exclusive_group()
     eng.add_argument("--engine", choices=("lily", "stock"), default="lily")
     eng.add_argument("--compare", action="store_true", help="run stock then lily and compare")
+    ap.add_argument("--dtype", choices=arm.DTYPES, help="cast both engines' floating parameters after loading")
     ap.add_argument("--json", dest="json_path", help="write the report here")
     args = ap.parse_args(argv)
     try:
@@ -179,7 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.max_tokens:
             ids = ids[: args.max_tokens]
         engines = ["stock", "lily"] if args.compare else [args.engine]
-        report = evaluate(path, ids, engines, args.context_length, args.stride or args.context_length, args.batch_size)
+        report = evaluate(path, ids, engines, args.context_length, args.stride or args.context_length, args.batch_size,
+                          dtype=args.dtype)
     except (PerplexityError, random_model.SpecError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
