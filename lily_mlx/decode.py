@@ -30,9 +30,8 @@ class _StaticKV:
         return self.keys, self.values, self.offset1
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), start, axes=(2,))
-        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), start, axes=(2,))
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
         return self.keys, self.values
 
     def make_mask(self, N: int, **_) -> mx.array:

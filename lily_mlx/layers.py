@@ -29,7 +29,9 @@ class Linear(nn.Module):
         y = x @ self["weight"].T
         return y + self["bias"] if "bias" in self else y
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine", **_):
+        # mlx.nn.quantize passes None for "the mode's default": affine 4-bit, group 64
+        group_size, bits = group_size or 64, bits or 4
         out_dims, in_dims = self.weight.shape
         ql = QuantizedLinear(in_dims, out_dims, "bias" in self, group_size, bits, mode=mode, init=False)
         ql.weight, ql.scales, ql.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
@@ -68,7 +70,8 @@ class SwitchLinear(nn.Module):
     def __call__(self, x, indices, sorted_indices=False):
         return ops.gather_matmul(x, self["weight"], indices, sorted_indices=sorted_indices)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+    def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine", **_):
+        group_size, bits = group_size or 64, bits or 4
         E, out_dims, in_dims = self.weight.shape
         ql = QuantizedSwitchLinear(in_dims, out_dims, E, group_size, bits, mode=mode, init=False)
         ql.weight, ql.scales, ql.biases = mx.quantize(self.weight, group_size, bits, mode=mode)

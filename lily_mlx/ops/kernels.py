@@ -102,8 +102,11 @@ def float_bits(v: float) -> int:
 
 @functools.lru_cache(maxsize=None)
 def placeholder(dtype: mx.Dtype) -> mx.array:
-    """A one-element array for a kernel input that this instantiation never reads."""
-    return mx.zeros((1,), dtype=dtype)
+    """A one-element array for a kernel input that this instantiation never reads (evaluated: a leaf, not
+    a primitive of every graph it enters)."""
+    a = mx.zeros((1,), dtype=dtype)
+    mx.eval(a)
+    return a
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:

@@ -1,0 +1,140 @@
+"""Where a lily_mlx decode step's time goes: the compiled step's wall time, synchronous and pipelined,
+the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone at the model's shapes
+(a chain of independent calls evaluated at once, so each figure includes MLX's per-primitive cost).
+
+    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def _time(fn, reps: int = 5) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def step_times(model, context: int, steps: int, vocab: int) -> dict:
+    from lily_mlx.decode import CompiledDecoder
+
+    rng = np.random.default_rng(context)
+    prompt = mx.array(rng.integers(0, vocab, (1, context)))
+    cache = model.make_cache()
+    for i in range(0, context, 2048):
+        model(prompt[:, i:i + 2048], cache=cache)
+        mx.eval([c.state for c in cache])
+    dec = CompiledDecoder(model, cache, reserve=steps * 3 + 8)
+    tok = mx.array([[1]])
+    for _ in range(3):  # trace and warm up
+        tok = mx.argmax(dec(tok), axis=-1)[:, None]
+        mx.eval(tok)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = mx.argmax(dec(tok), axis=-1)[:, None]
+        mx.eval(tok)
+    sync = (time.perf_counter() - t0) / steps
+    dispatch = []
+    t0 = time.perf_counter()
+    nxt = mx.argmax(dec(tok), axis=-1)[:, None]
+    mx.async_eval(nxt)
+    for _ in range(steps):  # as generate_step: the next step is dispatched before waiting on this one
+        cur = nxt
+        t1 = time.perf_counter()
+        nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+        mx.async_eval(nxt)
+        dispatch.append(time.perf_counter() - t1)
+        mx.eval(cur)
+    mx.eval(nxt)
+    piped = (time.perf_counter() - t0) / (steps + 1)
+    return {"context": context, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "tok_s": 1 / piped,
+            "dispatch_ms": 1e3 * statistics.median(dispatch)}
+
+
+def op_times(model, context: int, reps: int = 20) -> dict:
+    """Each fused op of a DeltaNet layer, an attention layer and the lm_head, alone, in microseconds."""
+    from lily_mlx import ops
+    from lily_mlx.layers import added, normed
+
+    lm = model.language_model
+    layers = lm.model.layers
+    dn = next(l for l in layers if l.is_linear)
+    at = next(l for l in layers if not l.is_linear)
+    H = model.config.hidden_size
+    h = (mx.random.normal((1, 1, H)) * 0.5).astype(mx.bfloat16)
+    mx.eval(h)
+    g, a = dn.linear_attn, at.self_attn
+    conv = mx.zeros((1, g.conv_width - 1, g.conv_dim), mx.bfloat16)
+    state = mx.zeros((1, g.Hv, g.Dv, g.Dk), mx.float32)
+    proj = g.fused_in(h, dn.input_layernorm)
+    keys = mx.zeros((1, a.n_kv_heads, context + 8, a.head_dim), mx.bfloat16)
+    aproj = a.fused_qkv(h, at.input_layernorm)
+    off = mx.array([context], dtype=mx.int32)
+    out_dn = mx.zeros((1, 1, g.value_dim), mx.bfloat16)
+    out_at = mx.zeros((1, 1, a.n_heads * a.head_dim), mx.bfloat16)
+    mx.eval(conv, state, proj, keys, aproj, off, out_dn, out_at)
+    moe = dn.mlp
+    calls = {
+        "deltanet in_proj (norm + qkv|z|b|a)": lambda: g.fused_in(h, dn.input_layernorm),
+        "deltanet_step": lambda: ops.deltanet_decode_step(proj, g.conv1d.weight, conv, g.A_log, g.dt_bias,
+                                                          g.norm["weight"], state, num_key_heads=g.Hk, eps=1e-6)[0],
+        "deltanet out_proj + residual": lambda: added(g.out_proj, out_dn, h),
+        "router (norm + gate|shared gate)": lambda: moe.router(h, dn.post_attention_layernorm),
+        "MoE block with its router (SparseMoeBlock.add_to)": lambda: moe.add_to(h, dn.post_attention_layernorm),
+        "attention in_proj (norm + q|k|v)": lambda: a.fused_qkv(h, at.input_layernorm),
+        f"attn_decode (cache {context})": lambda: ops.attention_decode(
+            aproj, a.q_norm["weight"], a.k_norm["weight"], 1e-6, keys, keys, off, n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads, rope_dims=a.rope_dims, rope_theta=a.rope_theta, scale=a.scale)[0],
+        "attention o_proj + residual": lambda: added(a.o_proj, out_at, h),
+        "lm_head (final norm + vocabulary)": lambda: normed(lm.lm_head, h, lm.model.norm),
+    }
+    out = {}
+    for name, fn in calls.items():
+        t = _time(lambda: mx.eval([fn() for _ in range(reps)]))
+        with ops.disabled("all"):
+            t_ref = _time(lambda: mx.eval([fn() for _ in range(reps)]))
+        out[name] = {"fused_us": 1e6 * t / reps, "unfused_us": 1e6 * t_ref / reps}
+    return out
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import lily_mlx
+
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--json", dest="json_path")
+    args = ap.parse_args(argv)
+    model, tokenizer = lily_mlx.load(args.model)
+    vocab = model.config.vocab_size
+    report = {"model": args.model, "mlx": mx.__version__, "steps": [], "ops": {}}
+    for ctx in args.context:
+        r = step_times(model, ctx, args.steps, vocab)
+        report["steps"].append(r)
+        print(f"context {ctx}: step {r['sync_ms']:.2f} ms synchronous, {r['pipelined_ms']:.2f} ms pipelined "
+              f"({r['tok_s']:.1f} tok/s), dispatch (CPU) {r['dispatch_ms']:.2f} ms", flush=True)
+        report["ops"][ctx] = op_times(model, ctx)
+        for name, t in report["ops"][ctx].items():
+            print(f"  {name:40} fused {t['fused_us']:8.1f} us   unfused {t['unfused_us']:8.1f} us", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
