@@ -1,7 +1,5 @@
-// Backend-neutral helpers for kernel bodies, written only in the prelude's names; kernels.header()
-// puts this after prelude_<backend>.h.
-#ifndef LILY_PRELUDE_COMMON_H
-#define LILY_PRELUDE_COMMON_H
+// Backend-neutral helpers for kernel bodies, written only in the prelude's names. kernels.header()
+// puts after prelude_<backend>.h the blocks (separated by blank lines) that a kernel's body calls.
 
 // One 16-byte chunk of MLX affine codes (128/BITS codes of one group, low bits first) against its
 // x values xr: a = sum_c xr[c] * (1 + q_c / 2^BITS), code c OR-ed into the mantissa of 1.0f (no
@@ -155,5 +153,3 @@ LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD f
   LILY_UNROLL
   for (int j = 0; j < K; ++j) weights[j] = lily_exp(weights[j] - top) / denom;
 }
-
-#endif

@@ -60,6 +60,20 @@ def test_metal_signature_matches_mlx_format():
     assert src.rstrip().endswith(f"decltype({name}<{targs}>) {name}<{targs}>;")
 
 
+def test_kernels_carry_only_the_helpers_they_call():
+    """Each launch hashes its full source, so headers hold only the common helpers a body reaches."""
+    assert kernels.common_header("x = 1;") == ""
+    hdr = kernels.common_header("lily_norm_rope<T, 64, 16>(src, nw, eps, pos, lb, dst, lane);")
+    assert "lily_normed(" in hdr and "lily_norm_rope(" in hdr and "lily_topk" not in hdr
+    assert hdr.index("lily_normed(") < hdr.index("lily_norm_rope(")  # file order: used before use
+    names = {n for names, _ in kernels._common_helpers() for n in names}
+    assert {"lily_qdot16", "lily_topk", "lily_row_rsqrt_ms", "lily_sigmoid", "lily_neg_inf"} <= names
+    for name in SPEC_NAMES:
+        spec = kernels.SPECS[name]
+        body = kernels.body(spec, "metal")
+        assert len(kernels.header("metal", body)) < len(kernels.header("metal", " ".join(sorted(names))))
+
+
 def test_metal_small_and_scalar_inputs_use_constant_space():
     _, src = metal_source.metal_source("k", ["a", "s"], ["o"], "o[0] = a[0] + s;", "",
                                        [(mx.float32, (4,)), (mx.float32, ())], [mx.float32])

@@ -11,6 +11,7 @@ names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ 
 from __future__ import annotations
 
 import functools
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +36,14 @@ def kernel_dir() -> Path:
 
 
 def compact(src: str) -> str:
-    """Drops // comments and blank lines: MLX rebuilds and hashes the full source on every call."""
+    """Drops // comments, indentation and blank lines: MLX hashes a custom kernel's full source on every
+    launch (mlx/backend/cuda/custom_kernel.cpp), and decode is bound by that per-launch CPU cost."""
     out = []
     for line in src.splitlines():
         cut = line.find("//")
         if cut >= 0 and line.count('"', 0, cut) % 2 == 0:
             line = line[:cut]
-        line = line.rstrip()
+        line = line.strip()
         if line:
             out.append(line)
     return "\n".join(out) + "\n"
@@ -121,9 +123,46 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend {backend!r} has no custom kernels; expected one of {BACKENDS}")
 
 
-def header(backend: str) -> str:
+_DEFINES = re.compile(r"LILY_INLINE[^(;{]*?\b(lily_\w+)\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _common_helpers() -> tuple[tuple[tuple[str, ...], str], ...]:
+    """prelude_common.h as (names defined, compacted text) blocks, split at blank lines, in file order."""
+    path = kernel_dir() / "prelude_common.h"
+    blocks = []
+    for raw in re.split(r"\n\s*\n", path.read_text()):
+        names = tuple(_DEFINES.findall(raw))
+        if names:
+            blocks.append((names, compact(raw)))
+    return tuple(blocks)
+
+
+def common_header(text: str) -> str:
+    """The helpers of prelude_common.h that `text` (a kernel body) uses, with the helpers they use: each
+    launch hashes its source, so a kernel carries only what it calls. Per-helper guards let several
+    kernels' sources share one translation unit (the compile checks and the emulator)."""
+    needed: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for i, (names, block) in enumerate(_common_helpers()):
+            if i not in needed and any(re.search(rf"\b{n}\b", text) for n in names):
+                needed.add(i)
+                text += block
+                grew = True
+    out = []
+    for i, (names, block) in enumerate(_common_helpers()):
+        if i in needed:
+            guard = f"LILY_HELPER_{names[0].upper()}"
+            out.append(f"#ifndef {guard}\n#define {guard}\n{block}#endif\n")
+    return "".join(out)
+
+
+def header(backend: str, body_text: str = "") -> str:
+    """The backend's prelude and the common helpers `body_text` needs."""
     _check_backend(backend)
-    return read_source(f"prelude_{backend}.h") + read_source("prelude_common.h")
+    return read_source(f"prelude_{backend}.h") + common_header(body_text)
 
 
 def body(spec: KernelSpec, backend: str) -> str:
@@ -134,7 +173,8 @@ def body(spec: KernelSpec, backend: str) -> str:
 def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, str]:
     """(kernel name, the complete source MLX compiles for this instance on `backend`)."""
     write = metal_source.cuda_source if backend == "cuda" else metal_source.metal_source
-    return write(spec.name, spec.input_names, spec.output_names, body(spec, backend), header(backend),
+    src = body(spec, backend)
+    return write(spec.name, spec.input_names, spec.output_names, src, header(backend, src),
                  inst.inputs, inst.output_dtypes, inst.template)
 
 
@@ -142,7 +182,8 @@ def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, st
 def build(name: str, backend: str):
     """The compiled-on-first-use MLX kernel object for a registered spec on a backend."""
     spec = SPECS[name]
-    src, hdr = body(spec, backend), header(backend)
+    src = body(spec, backend)
+    hdr = header(backend, src)
     if backend == "cuda":
         return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
                                    output_names=list(spec.output_names), source=src, header=hdr)
