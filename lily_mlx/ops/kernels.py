@@ -149,7 +149,7 @@ def common_header(text: str) -> str:
         for i, (names, block) in enumerate(_common_helpers()):
             if i not in needed and any(re.search(rf"\b{n}\b", text) for n in names):
                 needed.add(i)
-                text += block
+                text += "\n" + block
                 grew = True
     out = []
     for i, (names, block) in enumerate(_common_helpers()):
