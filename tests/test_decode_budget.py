@@ -1,0 +1,99 @@
+"""The structural budget of one decode step of the 35B-A3B layer stack (40 layers: 30 Gated DeltaNet,
+10 gated attention, MoE everywhere), as the GPU runs it: the kernel launches per layer and the other
+MLX primitives of the compiled step's graph.
+
+No GPU here, so the graph is traced with the dispatcher told it runs on CUDA and every custom kernel
+replaced by a stand-in of the same inputs and outputs (`mx.depends` of zero outputs on the inputs),
+then counted from `mx.export_to_dot`. Widths are tiny (the count does not depend on them); the layer
+pattern, quantization (4-bit, 8-bit router) and dtype are the model's.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from bench import random_model
+from lily_mlx import ops
+from lily_mlx.config import ModelConfig
+from lily_mlx.decode import CompiledDecoder
+from lily_mlx.model import Model
+from lily_mlx.ops import attn_decode, kernels
+
+NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+              num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+# Per decode step: DeltaNet layer = norm+in_proj, deltanet_step, out_proj+residual, norm+router, MoE gate/up,
+# MoE down+combine; attention layer = the same with attn_decode for deltanet_step, plus attn_combine when the
+# cache is split (the compiled decoder's capacity is a multiple of 256: always); then final norm + lm_head.
+PER_DELTANET, PER_ATTENTION = 6, 6
+# Outside the kernels: the K and V cache writes of each attention layer (20), the shared offset reshape and
+# the logits slice; the embedding lookup is counted apart (CPU's graph decomposes its dequantize).
+OTHER_MAX = 24
+
+
+def _model():
+    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", NARROW, 0, 4, 64, "bfloat16"))
+    model = Model(cfg)
+    nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
+    model.update(tree_map_with_path(
+        lambda p, x: x.astype(mx.bfloat16) if x.dtype == mx.float32 and not p.endswith("A_log") else x,
+        model.parameters()))
+    model.fuse_projections()
+    mx.eval(model.parameters())
+    return model
+
+
+def _primitives(outputs, path) -> collections.Counter:
+    mx.export_to_dot(str(path), *outputs)
+    nodes = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]', path.read_text()))
+    return collections.Counter(nodes.values())
+
+
+def test_decode_step_budget(monkeypatch, tmp_path):
+    cached = 8
+    model = _model()
+    cache = model.make_cache()
+    model(mx.array([list(range(1, cached + 1))]), cache=cache)  # the real prefill, on the CPU
+    dec = CompiledDecoder(model, cache, reserve=4)
+    mx.eval(dec.kv, dec.states)
+
+    launches, standin_outputs = collections.Counter(), [0]
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
+        launches[name] += 1
+        standin_outputs[0] += len(output_shapes)
+        outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
+        return mx.depends(outs, list(inputs))
+
+    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
+    step = dec._step(mx.array([[1]]), mx.array(dec.offset, dtype=mx.int32), *flat)
+    counts = _primitives(step, tmp_path / "step.dot")
+    embed = _primitives([model.language_model.model.embed_tokens(mx.array([[1]]))], tmp_path / "embed.dot")
+
+    n_attn = sum(not l.is_linear for l in model.layers)
+    n_dn = len(model.layers) - n_attn
+    split = attn_decode.splits(1, model.config.num_key_value_heads, dec.kv[0][0].shape[2]) > 1
+    assert n_dn == 30 and n_attn == 10
+    expected = {"qmv": 3 * len(model.layers) + 1, "deltanet_step": n_dn, "attn_decode": n_attn,
+                "moe_gate_up": len(model.layers), "moe_down_combine": len(model.layers)}
+    if split:
+        expected["attn_combine"] = n_attn
+    assert dict(launches) == expected
+    assert sum(launches.values()) == n_dn * PER_DELTANET + n_attn * (PER_ATTENTION + split) + 1
+
+    other = counts - embed
+    other["Broadcast"] -= standin_outputs[0]
+    other["Depends"] -= sum(launches.values())
+    other = +other  # drop the zeros
+    assert other["DynamicSliceUpdate"] == 2 * n_attn
+    assert sum(other.values()) <= OTHER_MAX, f"primitives outside the kernels: {dict(other)}"
+    total = sum(launches.values()) + sum(other.values()) + sum(embed.values())
+    print(f"cached {cached}: {sum(launches.values())} kernel launches, {sum(other.values())} other primitives "
+          f"{dict(other)}, embedding lookup {sum(embed.values())} on CPU's graph; {total} in all")
