@@ -40,8 +40,9 @@ GROUP = 64
 L2_BYTES = 60e6
 
 
-def _wall(fn, reps: int) -> float:
-    fn()  # warm-up: compile, allocate
+def wall_time(fn, reps: int = 5) -> float:
+    """Median wall seconds of fn() over reps runs, after one warm-up run (compile, allocate)."""
+    fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def read_peak(reps: int) -> float:
     """Bytes/s of mx.sum over 2 GiB of random bf16."""
     a = mx.random.normal((1 << 30,), dtype=mx.bfloat16)
     mx.eval(a)
-    t = _wall(lambda: mx.eval(mx.sum(a)), reps)
+    t = wall_time(lambda: mx.eval(mx.sum(a)), reps)
     del a
     return (1 << 31) / t
 
@@ -89,13 +90,13 @@ def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
     calls = max(copies, 64)
     stock_fn = lambda: mx.eval([mx.quantized_matmul(x, *weights[i % copies], transpose=True, group_size=GROUP,  # noqa: E731
                                                     bits=bits) for i in range(calls)])
-    row["stock_us"] = _wall(stock_fn, reps) / calls * 1e6
+    row["stock_us"] = wall_time(stock_fn, reps) / calls * 1e6
     row["stock_gbs"] = nbytes / row["stock_us"] / 1e3
     if row["ok"]:
         be = ops.backend()
         ours_fn = lambda: mx.eval([qmv.qmv(x, *weights[i % copies], group_size=GROUP, bits=bits, backend=be)  # noqa: E731
                                    for i in range(calls)])
-        row["us"] = _wall(ours_fn, reps) / calls * 1e6
+        row["us"] = wall_time(ours_fn, reps) / calls * 1e6
         row["gbs"] = nbytes / row["us"] / 1e3
         row["pct_peak"] = 100 * row["gbs"] * 1e9 / peak
         row["speedup"] = row["stock_us"] / row["us"]

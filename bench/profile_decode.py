@@ -17,15 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-
-def _time(fn, reps: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from .kernels import wall_time
 
 
 def step_times(model, context: int, steps: int, vocab: int) -> dict:
@@ -103,9 +95,9 @@ def op_times(model, context: int, reps: int = 20) -> dict:
     }
     out = {}
     for name, fn in calls.items():
-        t = _time(lambda: mx.eval([fn() for _ in range(reps)]))
+        t = wall_time(lambda: mx.eval([fn() for _ in range(reps)]))
         with ops.disabled("all"):
-            t_ref = _time(lambda: mx.eval([fn() for _ in range(reps)]))
+            t_ref = wall_time(lambda: mx.eval([fn() for _ in range(reps)]))
         out[name] = {"fused_us": 1e6 * t / reps, "unfused_us": 1e6 * t_ref / reps}
     return out
 
