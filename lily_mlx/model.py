@@ -78,7 +78,7 @@ class Attention(nn.Module):
 def _decode_kv(cache, mask):
     """(keys, values, offset [1] int32) of a cache that ops.attention_decode reads in place: mlx-lm's plain
     KVCache already holding tokens (unmasked), or the compiled decoder's fixed-capacity cache; else None."""
-    if type(cache) is KVCache and cache.keys is not None and mask is None and cache.keys.shape[0] > 0:
+    if type(cache) is KVCache and cache.keys is not None and mask is None:
         return cache.keys, cache.values, mx.array([cache.offset], dtype=mx.int32)
     view = getattr(cache, "decode_view", None)
     return None if view is None else view()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
@@ -20,7 +19,7 @@ from emulator import GXX, Emulator
 from lily_mlx import ops
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.ops import attn_decode as ad
-from lily_mlx.ops import kernels, reference
+from lily_mlx.ops import reference
 
 F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
 TOL = {F32: 2e-5, BF16: 1.5e-2, F16: 3e-3}  # the output's rounding; bf16 also the rounded q/k feeding the scores

@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gather_matmul, kernels, metal_source, quantized_matmul, reference, register_kernel
+from . import gather_matmul, kernels, metal_source, quantized_matmul, register_kernel
 
 MAX_M = 8  # tokens; beyond this the weights are re-read per token and MLX's gather_qmm wins
 MAX_K = 16
