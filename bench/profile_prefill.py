@@ -1,0 +1,102 @@
+"""Where a lily_mlx prefill's time goes: the whole prompt's wall time, then each part of a DeltaNet layer,
+an attention layer and the MoE block timed alone on T tokens at the model's shapes, with the FLOPs each
+does, so the table says which part to replace with a kernel first (issue 5).
+
+    python -m bench.profile_prefill --model PATH [--tokens 512 2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .kernels import wall_time
+
+
+def prefill_time(model, tokens: int, vocab: int, step: int = 2048) -> float:
+    prompt = mx.array(np.random.default_rng(tokens).integers(0, vocab, (1, tokens)))
+
+    def run():
+        cache = model.make_cache()
+        for i in range(0, tokens, step):
+            model(prompt[:, i:i + step], cache=cache)
+            mx.eval([c.state for c in cache])
+    return wall_time(run, reps=3)
+
+
+def part_times(model, T: int) -> dict:
+    """Each part alone on T tokens (no cache): milliseconds and the dense-equivalent TFLOP/s."""
+    from lily_mlx import ops
+
+    lm = model.language_model
+    layers = lm.model.layers
+    dn = next(l for l in layers if l.is_linear)
+    at = next(l for l in layers if not l.is_linear)
+    g, a, moe = dn.linear_attn, at.self_attn, dn.mlp
+    H = model.config.hidden_size
+    h = (mx.random.normal((1, T, H)) * 0.5).astype(mx.bfloat16)
+    proj = g.fused_in(h, dn.input_layernorm)
+    conv = mx.zeros((1, g.conv_width - 1, g.conv_dim), mx.bfloat16)
+    y_dn = mx.zeros((1, T, g.value_dim), mx.bfloat16)
+    y_at = mx.zeros((1, T, a.n_heads * a.head_dim), mx.bfloat16)
+    xn = dn.post_attention_layernorm(h)
+    inds, _ = ops.moe_route(moe.router(xn)[..., :-1], moe.top_k, moe.norm_topk_prob)
+    mx.eval(h, proj, conv, y_dn, y_at, xn, inds)
+    E_act, I, Is = moe.top_k, model.config.moe_intermediate_size, model.config.shared_expert_intermediate_size
+    D, Hq, Hkv = a.head_dim, a.n_heads, a.n_kv_heads
+    parts = {
+        "deltanet in_proj (norm + qkv|z|b|a)": (lambda: g.fused_in(h, dn.input_layernorm), 2 * T * H * proj.shape[-1]),
+        "deltanet_mix (conv, gates, chunked recurrence, gated norm)": (
+            lambda: ops.deltanet_mix(proj, g.conv1d.weight, conv, g.A_log, g.dt_bias, g.norm["weight"], None,
+                                     num_key_heads=g.Hk, eps=1e-6)[0],
+            2 * T * g.Hv * g.Dv * g.Dk * 4),
+        "deltanet out_proj": (lambda: g.out_proj(y_dn), 2 * T * g.value_dim * H),
+        "router (gate | shared gate)": (lambda: moe.router(xn), 2 * T * H * (model.config.num_experts + 1)),
+        "routed experts (SwitchGLU, top-k)": (lambda: moe.switch_mlp(xn, inds), 2 * T * E_act * 3 * H * I),
+        "shared expert": (lambda: moe.shared_expert(xn), 2 * T * 3 * H * Is),
+        "MoE block whole (router to combine)": (lambda: moe(xn), 2 * T * (E_act * 3 * H * I + 3 * H * Is)),
+        "attention layer whole (no cache)": (lambda: a(h), 2 * T * H * (Hq * 3 * D + 2 * Hkv * D) + 2 * T * T * Hq * D),
+        "attention o_proj": (lambda: a.o_proj(y_at), 2 * T * Hq * D * H),
+    }
+    out = {}
+    for name, (fn, flops) in parts.items():
+        t = wall_time(lambda: mx.eval(fn()), reps=5)
+        out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
+    return out
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import lily_mlx
+
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_prefill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--json", dest="json_path")
+    args = ap.parse_args(argv)
+    model, _ = lily_mlx.load(args.model)
+    cfg = model.config
+    n_dn = sum(l.is_linear for l in model.language_model.model.layers)
+    n_at = len(model.language_model.model.layers) - n_dn
+    report = {"model": args.model, "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": []}
+    for T in args.tokens:
+        total = prefill_time(model, T, cfg.vocab_size)
+        parts = part_times(model, T)
+        report["rows"].append({"tokens": T, "prefill_s": total, "tok_s": T / total, "parts": parts})
+        print(f"{T} tokens: prefill {total * 1e3:.1f} ms ({T / total:.0f} tok/s); per layer, alone "
+              f"({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
+        for name, p in parts.items():
+            print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
