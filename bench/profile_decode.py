@@ -2,7 +2,7 @@
 the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone at the model's shapes
 (a chain of independent calls evaluated at once, so each figure includes MLX's per-primitive cost).
 
-    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--json out.json]
+    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--no-ops] [--json out.json]
 """
 
 from __future__ import annotations
@@ -110,16 +110,23 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--no-ops", action="store_true", help="time the whole step only, not each fused op")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, tokenizer = lily_mlx.load(args.model)
     vocab = model.config.vocab_size
-    report = {"model": args.model, "mlx": mx.__version__, "steps": [], "ops": {}}
+    from lily_mlx import ops
+
+    switches = {name: ops.enabled(name) for name in sorted(ops.KERNEL_NAMES)}
+    report = {"model": args.model, "mlx": mx.__version__, "switches": switches, "steps": [], "ops": {}}
+    print("off:", ", ".join(n for n, on in switches.items() if not on) or "none", flush=True)
     for ctx in args.context:
         r = step_times(model, ctx, args.steps, vocab)
         report["steps"].append(r)
         print(f"context {ctx}: step {r['sync_ms']:.2f} ms synchronous, {r['pipelined_ms']:.2f} ms pipelined "
               f"({r['tok_s']:.1f} tok/s), dispatch (CPU) {r['dispatch_ms']:.2f} ms", flush=True)
+        if args.no_ops:
+            continue
         report["ops"][ctx] = op_times(model, ctx)
         for name, t in report["ops"][ctx].items():
             print(f"  {name:40} fused {t['fused_us']:8.1f} us   unfused {t['unfused_us']:8.1f} us", flush=True)

@@ -68,7 +68,33 @@ def part_times(model, T: int) -> dict:
     for name, (fn, flops) in parts.items():
         t = wall_time(lambda: mx.eval(fn()), reps=5)
         out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
+    with ops.disabled("moe_dequant_gemm"):
+        fn, flops = parts["routed experts (SwitchGLU, top-k)"]
+        t = wall_time(lambda: mx.eval(fn()), reps=5)
+        out["routed experts, quantized gather (moe_dequant_gemm off)"] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
     return out
+
+
+def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256)) -> list:
+    """Routed experts of one layer, dequantize + grouped GEMM vs the quantized gather, by token count: where
+    ops.DEQUANT_GEMM_MIN_ROWS should sit."""
+    from lily_mlx import ops
+
+    moe = next(l for l in model.language_model.model.layers if l.is_linear).mlp
+    rows = []
+    for T in tokens:
+        xn = (mx.random.normal((1, T, model.config.hidden_size)) * 0.5).astype(mx.bfloat16)
+        inds, _ = ops.moe_route(moe.router(xn)[..., :-1], moe.top_k, moe.norm_topk_prob)
+        mx.eval(xn, inds)
+        with ops.disabled("moe_dequant_gemm"):
+            t_q = wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
+        saved, ops.DEQUANT_GEMM_MIN_ROWS = ops.DEQUANT_GEMM_MIN_ROWS, 0
+        try:
+            t_d = wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
+        finally:
+            ops.DEQUANT_GEMM_MIN_ROWS = saved
+        rows.append({"tokens": T, "rows": T * moe.top_k, "gather_qmm_ms": 1e3 * t_q, "dequant_gemm_ms": 1e3 * t_d})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -93,6 +119,10 @@ def main(argv=None) -> int:
               f"({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
         for name, p in parts.items():
             print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
+    report["expert_sweep"] = expert_sweep(model)
+    for r in report["expert_sweep"]:
+        print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
+              f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

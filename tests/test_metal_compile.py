@@ -9,7 +9,9 @@ when nvcc is installed. Emulated: qmv's Metal source run on the CPU by the shim'
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -155,3 +157,28 @@ def test_qmv_metal_emulated_matches_reference(tmp_path):
         assert not mx.isnan(y).any().item(), f"case {EMULATED[c]}: unwritten (NaN) outputs"
         err = (mx.linalg.norm(y - ref) / mx.linalg.norm(ref)).item()
         assert err < tol, f"case {EMULATED[c]}: relative error {err:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_cuda_source_files_expand_to_the_inline_source(name, tmp_path):
+    """The #include form MLX gets on CUDA (kernels.included) is the inline source once NVRTC expands it,
+    names every shape/strides/ndim array the body reads (MLX passes only those), and moves when it changes."""
+    spec = kernels.SPECS[name]
+    src = kernels.body(spec, "cuda")
+    hdr = kernels.header("cuda", src)
+    stub, hstub = kernels.included(spec, src, hdr, tmp_path)
+    expand = lambda text: re.sub(r'#include "([^"]+)"\n', lambda m: Path(m.group(1)).read_text(), text)
+    assert len(stub) + len(hstub) < 400 < len(src)
+    assert expand(hstub) == hdr and expand(stub).startswith(src)
+    assert metal_source.shape_infos(stub, spec.input_names) == metal_source.shape_infos(src, spec.input_names)
+    again, _ = kernels.included(spec, src + "\n", hdr, tmp_path)
+    assert again.splitlines()[0] != stub.splitlines()[0]
+
+
+def test_kernel_source_dir_falls_back_to_inline(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LILY_MLX_KERNEL_CACHE", str(blocker / "kernels"))  # cannot be created
+    assert kernels.source_dir() is None
+    monkeypatch.setenv("LILY_MLX_KERNEL_CACHE", str(tmp_path / "k"))
+    assert kernels.source_dir() == (tmp_path / "k").resolve()

@@ -419,3 +419,26 @@ def test_moe_kernels_metal(case):
 @pytest.mark.parametrize("M,dt", [(1, mx.bfloat16), (3, mx.float32)])
 def test_moe_kernels_metal_model_shape(M, dt):
     _gpu_chain_at_model_shape("metal", M, dt)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16])
+def test_prefill_experts_dequantized_gemm_cuda(dt):
+    """ops.gather_matmul on many sorted rows (the prefill experts) takes dequantize + grouped GEMM on CUDA;
+    it agrees with the quantized gather and with the float32 oracle, at the model's widths and 256 experts."""
+    E, N, K, rows = 256, 512, 2048, 2048 * 8
+    assert rows >= ops.DEQUANT_GEMM_MIN_ROWS
+    q, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(0)) * 0.05, group_size=64, bits=4)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    idx = mx.sort(mx.random.randint(0, E - 3, (rows,), key=mx.random.key(1)))  # the last 3 experts get no rows
+    x = mx.random.normal((rows, 1, K), key=mx.random.key(2)).astype(dt)
+    kw = dict(scales=s, biases=b, group_size=64, bits=4, sorted_indices=True)
+    got = ops.gather_matmul(x, q, idx, **kw)
+    with ops.disabled("moe_dequant_gemm"):
+        quantized = ops.gather_matmul(x, q, idx, **kw)
+    want = reference.gather_matmul_oracle(x[:4096], q, idx[:4096], scales=s, biases=b, group_size=64, bits=4)
+    tol = 3e-3 if dt == mx.float32 else 1e-2  # float32 GEMMs run in TF32 on CUDA by default
+    for y, ref in ((got, quantized), (got[:4096], want)):
+        yf, rf = y.astype(mx.float32), ref.astype(mx.float32)
+        assert y.shape == ref.shape and not mx.isnan(yf).any().item()
+        assert (mx.linalg.norm(yf - rf) / mx.linalg.norm(rf)).item() < tol

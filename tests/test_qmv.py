@@ -70,6 +70,16 @@ def test_qmv_cuda_model_shapes_and_dispatch():
     assert mx.array_equal(via_ops, direct).item(), "ops.quantized_matmul did not take the qmv kernel"
 
 
+@pytest.mark.cuda
+def test_qmv_cuda_source_files_and_inline_agree():
+    """The #included-source build (default on CUDA) and the inline one are the same kernel: equal bits."""
+    x, w, s, b = _inputs(3, 2048, 1000, 4, 64, mx.bfloat16, 4)
+    files = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
+    with ops.disabled("cuda_source_files"):
+        inline = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
+    assert mx.array_equal(files, inline).item()
+
+
 # (bits, group, x dtype, M, K, N, fusion): the input norm over one and several K tiles, the residual add.
 FUSED = [(4, 64, mx.bfloat16, 1, 2048, 8192 + 4096 + 64, "norm"), (8, 64, mx.bfloat16, 2, 2048, 257, "norm"),
          (4, 32, mx.float32, 8, 1024, 19, "norm"), (4, 64, mx.bfloat16, 1, 4096, 2048, "residual"),

@@ -182,3 +182,20 @@ def test_moe_route():
     assert np.array_equal(np.sort(np.array(inds), -1), top)
     picked = np.take_along_axis(p, np.array(inds), -1)
     assert rel(w, picked / picked.sum(-1, keepdims=True)) < 1e-6
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
+def test_gather_matmul_dequantized_matches_quantized_gather(bits, group_size):
+    """The prefill experts' path (ops.gather_matmul_dequantized: all experts dequantized, then gather_mm on
+    rows sorted by expert) against the quantized gather, float32, odd widths, an expert given no rows."""
+    from lily_mlx import ops
+
+    E, N, K, rows = 7, 40, 3 * group_size, 37
+    q, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(5)), group_size=group_size, bits=bits)
+    idx = mx.array(np.sort(np.random.default_rng(1).choice([0, 1, 3, 4, 6], size=rows)))  # expert 2, 5: none
+    x = mx.random.normal((rows, 1, K), key=mx.random.key(6))
+    kw = dict(scales=s, biases=b, group_size=group_size, bits=bits)
+    got = ops.gather_matmul_dequantized(x, q, idx, **kw)
+    want = R.gather_matmul(x, q, idx, sorted_indices=True, **kw)
+    assert got.shape == want.shape == (rows, 1, N)
+    assert rel(got, want) < 1e-5

@@ -3,7 +3,7 @@
 Each op picks an implementation by device and shape: a custom kernel (CUDA or Metal) where one is
 registered, enabled and applicable, else the plain-MLX reference (which is also the CPU path).
 Every fused path can be switched off for A/B attribution, by API (`set_enabled`) or by the
-environment: LILY_MLX_DISABLE=qmv,gather,... (or `all`). Kernels not yet verified on hardware are
+environment: LILY_MLX_DISABLE=qmv,moe_dequant_gemm,... (or `all`). Kernels not yet verified on hardware are
 registered off by default and opted into with LILY_MLX_ENABLE=name,... (or `set_enabled(name, True)`).
 """
 
@@ -109,11 +109,25 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
     return residual + reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
+# Sorted expert rows (tokens x top-k) from which dequantizing every expert and running MLX's grouped GEMM
+# beats its quantized gather on CUDA (H200, bench/profile_prefill.py).
+DEQUANT_GEMM_MIN_ROWS = 256
+register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
+register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch")
+
+
+def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
+    """gather_matmul of many rows sorted by expert: all experts dequantized to x's dtype (w [E, N, K]), then
+    gather_mm, which on CUDA runs sorted rows as one cutlass grouped GEMM on the tensor cores."""
+    wd = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)  # [E, N, K]
+    return mx.gather_mm(x, wd.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)  # [..., k, 1, N]
+
+
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False):
     """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]."""
-    out = _try("gather", x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)
-    if out is not None:
-        return out
+    if (scales is not None and sorted_indices and indices.size >= DEQUANT_GEMM_MIN_ROWS and backend() == "cuda"
+            and enabled("moe_dequant_gemm")):
+        return gather_matmul_dequantized(x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)
     return reference.gather_matmul(
         x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits, sorted_indices=sorted_indices
     )

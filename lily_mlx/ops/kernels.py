@@ -11,8 +11,11 @@ names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -178,13 +181,52 @@ def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, st
                  inst.inputs, inst.output_dtypes, inst.template)
 
 
+def source_dir() -> Optional[Path]:
+    """Where CUDA kernel sources are written for NVRTC to #include ($LILY_MLX_KERNEL_CACHE, else the user's
+    cache folder); None when it cannot be created (the sources then go inline)."""
+    root = os.environ.get("LILY_MLX_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lily_mlx", "kernels")
+    path = Path(root).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) and '"' not in str(path) else None
+
+
+def _content_file(folder: Path, text: str, suffix: str) -> Path:
+    """text in folder/<sha256 prefix><suffix>, written once (atomically): the name changes with the content,
+    so MLX's on-disk PTX cache, keyed by the hash of the inline text, never serves a stale kernel."""
+    path = folder / (hashlib.sha256(text.encode()).hexdigest()[:24] + suffix)
+    if not path.is_file() or path.read_text() != text:
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return path
+
+
+def included(spec: KernelSpec, src: str, hdr: str, folder: Path) -> tuple[str, str]:
+    """(body, header) as #include lines of files holding src and hdr. MLX hashes a CUDA custom kernel's
+    inline text on every launch (about 0.3 us per KB on the H200, bench/launch_cost.py); NVRTC reads the
+    files once. MLX passes an input's shape/strides/ndim only when the inline body names them, so the stub
+    names what the file reads."""
+    reads = [f"{n}_{s}" for n in spec.input_names for s in ("shape", "strides", "ndim") if f"{n}_{s}" in src]
+    stub = f'#include "{_content_file(folder, src, ".inc")}"\n' + (f"// reads {' '.join(reads)}\n" if reads else "")
+    return stub, f'#include "{_content_file(folder, hdr, ".h")}"\n'
+
+
 @functools.lru_cache(maxsize=None)
-def build(name: str, backend: str):
-    """The compiled-on-first-use MLX kernel object for a registered spec on a backend."""
+def build(name: str, backend: str, via_files: bool = False):
+    """The compiled-on-first-use MLX kernel object for a registered spec on a backend (CUDA: optionally
+    with its source in #included files)."""
     spec = SPECS[name]
     src = body(spec, backend)
     hdr = header(backend, src)
     if backend == "cuda":
+        folder = source_dir() if via_files else None
+        if folder is not None:
+            src, hdr = included(spec, src, hdr, folder)
         return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
                                    output_names=list(spec.output_names), source=src, header=hdr)
     return mx.fast.metal_kernel(name=name, input_names=list(spec.input_names),
@@ -199,6 +241,8 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
         raise ValueError(f"kernel {name!r}: template arguments {[n for n, _ in template]} != declared {spec.template_params}")
     if len(inputs) != len(spec.input_names):
         raise ValueError(f"kernel {name!r}: {len(inputs)} inputs given, expected {spec.input_names}")
+    from . import enabled
+
     kwargs = {} if init_value is None else {"init_value": init_value}
-    return build(name, backend)(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+    return build(name, backend, backend == "cuda" and enabled("cuda_source_files"))(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, **kwargs)
