@@ -12,6 +12,7 @@ signatures: stream_generate for batch 1, batch_generate above.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -130,6 +131,17 @@ def _perturbation(arm: str, round_index: int) -> float:
 
 
 def run_trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int, prefill_step: int) -> dict[str, Any]:
+    """One timed generation. Python's cyclic GC is held off while it runs (in every arm alike): a collection
+    in the middle of a CPU-bound decode loop is one of the larger sources of round-to-round spread."""
+    gc.collect()
+    gc.disable()
+    try:
+        return _trial(model, tokenizer, loop, vocab, p, g, b, seed, prefill_step)
+    finally:
+        gc.enable()
+
+
+def _trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int, prefill_step: int) -> dict[str, Any]:
     import mlx.core as mx
 
     ids = prompts(seed, b, p, vocab)
