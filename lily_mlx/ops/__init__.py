@@ -158,8 +158,17 @@ def gated_delta(q, k, v, log_g, beta, state: Optional[mx.array] = None, mask=Non
     if out is not None:
         return out
     if q.shape[1] >= CHUNKED_MIN_TOKENS:
-        return reference.gated_delta_chunked(q, k, v, log_g, beta, state, mask)
+        return reference.gated_delta_chunked(q, k, v, log_g, beta, state, mask, scan=chunk_scan)
     return reference.gated_delta_sequential(q, k, v, log_g, beta, state, mask)
+
+
+def chunk_scan(u, w, q_dec, qk, k_dec, g_last, state):
+    """The scan over chunks of the chunked gated delta rule (reference.chunk_scan_reference's arguments
+    and result): one launch for all chunks where the kernel applies, else chunk by chunk."""
+    out = _try("deltanet_chunk", u, w, q_dec, qk, k_dec, g_last, state)
+    if out is not None:
+        return out
+    return reference.chunk_scan_reference(u, w, q_dec, qk, k_dec, g_last, state)
 
 
 def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
@@ -260,4 +269,5 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
 from . import qmv as _qmv  # noqa: E402,F401
 from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401
+from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401

@@ -156,15 +156,17 @@ def _unit_lower_inverse(A: mx.array) -> mx.array:
     return inv
 
 
-def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64):
-    """Gated delta rule in the chunked WY / UT-transform form (as in flash-linear-attention).
+def chunk_intra(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64):
+    """The parallel (intra-chunk) part of the chunked form, every chunk at once, all float32.
 
-    Same arguments and result as gated_delta_sequential. Inside a chunk of C tokens with cumulative
-    log-decay G: T = (I + strict_tril(beta k k^T * e^{G_i - G_j}))^-1, u = T beta v, w = T beta e^G k,
-    v' = u - w S^T, y = e^G q S^T + tril(q k^T e^{G_i - G_j}) v', S <- e^{G_C} S + v'^T (e^{G_C - G} k).
+    Arguments as gated_delta_sequential's. Inside a chunk of C tokens with cumulative log-decay G:
+    T = (I + strict_tril(beta k k^T * e^{G_i - G_j}))^-1, u = T beta v, w = T beta e^G k,
+    qk = tril(q k^T e^{G_i - G_j}), q_dec = e^G q, k_dec = e^{G_C - G} k, g_last = e^{G_C}.
+    Returns (u [B, Hv, N, C, Dv], w, q_dec [B, Hv, N, C, Dk], qk [B, Hv, N, C, C], k_dec [B, Hv, N, C, Dk],
+    g_last [B, Hv, N], state [B, Hv, Dv, Dk]) with N = ceil(T / C), the tail padded with no-op tokens.
     """
     B, T = q.shape[:2]
-    Hv, Dv = v.shape[2:]
+    Hv = v.shape[2]
     q, k, vf, log_g, beta, state = _delta_prologue(q, k, v, log_g, beta, state, mask)
     C = chunk_size
     pad = (-T) % C
@@ -191,15 +193,35 @@ def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size:
     w = Tinv @ (bt * mx.exp(G)[..., None] * k)  # [B, Hv, N, C, Dk]
     qk = (q @ k.swapaxes(-1, -2)) * decay  # [B, Hv, N, C, C]
     q_dec = q * mx.exp(G)[..., None]
-    G_last = G[..., -1:]  # [B, Hv, N, 1]
-    k_dec = k * mx.exp(G_last - G)[..., None]
+    k_dec = k * mx.exp(G[..., -1:] - G)[..., None]
+    return u, w, q_dec, qk, k_dec, mx.exp(G[..., -1]), state
+
+
+def chunk_scan_reference(u, w, q_dec, qk, k_dec, g_last, state):
+    """The sequential (inter-chunk) part, chunk by chunk: the oracle of the deltanet_chunk kernel.
+
+    Shapes as chunk_intra returns them. Per chunk n: v' = u_n - w_n S^T; y_n = q_dec_n S^T + qk_n v';
+    S <- g_last_n S + v'^T k_dec_n. Returns (y [B, Hv, N, C, Dv] float32, the new state).
+    """
     ys = []
-    for n in range(N):
+    for n in range(u.shape[2]):
         S_t = state.swapaxes(-1, -2)  # [B, Hv, Dk, Dv]
         v_new = u[:, :, n] - w[:, :, n] @ S_t
         ys.append(q_dec[:, :, n] @ S_t + qk[:, :, n] @ v_new)
-        state = state * mx.exp(G_last[:, :, n])[..., None] + v_new.swapaxes(-1, -2) @ k_dec[:, :, n]
-    y = mx.stack(ys, axis=2).reshape(B, Hv, N * C, Dv).transpose(0, 2, 1, 3)[:, :T]
+        state = state * g_last[:, :, n, None, None] + v_new.swapaxes(-1, -2) @ k_dec[:, :, n]
+    return mx.stack(ys, axis=2), state
+
+
+def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64, scan=chunk_scan_reference):
+    """Gated delta rule in the chunked WY / UT-transform form (as in flash-linear-attention).
+
+    Same arguments and result as gated_delta_sequential: chunk_intra, then `scan` over the chunks
+    (chunk_scan_reference's signature; the dispatcher passes one that may run the kernel).
+    """
+    B, T = q.shape[:2]
+    Hv, Dv = v.shape[2:]
+    y, state = scan(*chunk_intra(q, k, v, log_g, beta, state, mask, chunk_size))
+    y = y.reshape(B, Hv, -1, Dv).transpose(0, 2, 1, 3)[:, :T]  # [B, T, Hv, Dv]
     return y.astype(v.dtype), state
 
 
