@@ -2,7 +2,7 @@
 the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone at the model's shapes
 (a chain of independent calls evaluated at once, so each figure includes MLX's per-primitive cost).
 
-    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--no-ops] [--json out.json]
+    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--no-ops] [--ab-switch NAME] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,6 +54,42 @@ def step_times(model, context: int, steps: int, vocab: int) -> dict:
     piped = (time.perf_counter() - t0) / (steps + 1)
     return {"context": context, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "tok_s": 1 / piped,
             "dispatch_ms": 1e3 * statistics.median(dispatch)}
+
+
+def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: int = 7) -> dict:
+    """Pipelined step time with switch `name` on vs off, in ONE process: two compiled decoders over the same
+    prefilled cache, timed in alternating rounds, so the VM's drifting CPU speed hits both alike."""
+    from lily_mlx import ops
+    from lily_mlx.decode import CompiledDecoder
+
+    rng = np.random.default_rng(context)
+    prompt = mx.array(rng.integers(0, vocab, (1, context)))
+    cache = model.make_cache()
+    for i in range(0, context, 2048):
+        model(prompt[:, i:i + 2048], cache=cache)
+        mx.eval([c.state for c in cache])
+    decoders = {}
+    for on in (True, False):
+        dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
+        with (ops.disabled() if on else ops.disabled(name)):
+            mx.eval(dec(mx.array([[1]])))  # traced (and its kernels built) under this setting
+        decoders[on] = dec
+    times = {True: [], False: []}
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            dec, tok = decoders[on], mx.array([[1]])
+            t0 = time.perf_counter()
+            nxt = mx.argmax(dec(tok), axis=-1)[:, None]
+            mx.async_eval(nxt)
+            for _ in range(steps):
+                cur = nxt
+                nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+                mx.async_eval(nxt)
+                mx.eval(cur)
+            mx.eval(nxt)
+            times[on].append(1e3 * (time.perf_counter() - t0) / (steps + 1))
+    return {"context": context, "switch": name, "on_ms": statistics.median(times[True]),
+            "off_ms": statistics.median(times[False]), "rounds_on_ms": times[True], "rounds_off_ms": times[False]}
 
 
 def op_times(model, context: int, reps: int = 20) -> dict:
@@ -111,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--no-ops", action="store_true", help="time the whole step only, not each fused op")
+    ap.add_argument("--ab-switch", help="also time the step with this switch on vs off, alternating in one process")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, tokenizer = lily_mlx.load(args.model)
@@ -125,6 +162,11 @@ def main(argv=None) -> int:
         report["steps"].append(r)
         print(f"context {ctx}: step {r['sync_ms']:.2f} ms synchronous, {r['pipelined_ms']:.2f} ms pipelined "
               f"({r['tok_s']:.1f} tok/s), dispatch (CPU) {r['dispatch_ms']:.2f} ms", flush=True)
+        if args.ab_switch:
+            ab = switch_ab(model, ctx, args.steps, vocab, args.ab_switch)
+            report.setdefault("switch_ab", []).append(ab)
+            print(f"  {args.ab_switch} on {ab['on_ms']:.2f} ms, off {ab['off_ms']:.2f} ms per pipelined step "
+                  f"(medians of {len(ab['rounds_on_ms'])} alternating rounds)", flush=True)
         if args.no_ops:
             continue
         report["ops"][ctx] = op_times(model, ctx)
