@@ -72,9 +72,11 @@ def register_kernel(name: str, description: str, fn: Callable, default_on: bool 
         _default_off.add(name)
 
 
-def register_switch(name: str, description: str) -> None:
+def register_switch(name: str, description: str, default_on: bool = True) -> None:
     """A fused path that is not a single kernel (e.g. the compiled decode step): switchable like one."""
     KERNEL_NAMES[name] = description
+    if not default_on:
+        _default_off.add(name)
 
 
 def _try(name: str, *args, **kwargs):
@@ -113,7 +115,9 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch")
+# Opt-in: correct on the H200 (cuda tests), but its decode-step effect is not yet measured cleanly (BENCHMARKS.md).
+register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
+                default_on=False)
 
 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
