@@ -696,3 +696,46 @@ def test_503_while_loading(tiny_dir):
     finally:
         release.set()
         engine.stop()
+
+
+def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
+    """A sequence running alone decodes through the compiled step; when a second request arrives, its state is
+    written back and both continue batched. Greedy text equals the eager batched path's (compiled_decode off)."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    prompts = [tok.encode("The first request talks about foxes and"), tok.encode("A second one, about dogs:")]
+
+    def run():
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs, solo_seen = [[], []], [], False
+        try:
+            for i, p in enumerate(prompts):
+                req = Request([p], [[]], [48 - 24 * i], SamplingParams(temperature=0),
+                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+                deadline = time.monotonic() + 30
+                while i == 0 and sum(e[0] == "delta" for e in events[0]) < 3:  # the first is decoding, alone
+                    assert time.monotonic() < deadline and not req.finished
+                    solo_seen = solo_seen or engine._solo is not None
+                    time.sleep(0.001)
+            deadline = time.monotonic() + 60
+            while not all(r.finished for r in reqs):
+                assert time.monotonic() < deadline, "requests did not finish"
+                time.sleep(0.01)
+        finally:
+            engine.stop()
+        texts = ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
+        return texts, solo_seen
+
+    compiled, solo = run()
+    with ops.disabled("compiled_decode"):
+        eager, solo_off = run()
+    assert solo and not solo_off
+    assert compiled == eager

@@ -3,7 +3,9 @@
 Each iteration reaps cancelled / timed-out work, runs one prefill chunk of the request at the head
 of the queue (batch 1, resuming from the prefix cache), then one decode step of all running
 sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and ArraysCache
-(DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice.
+(DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice. A
+sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
+own prompt cache; a second arrival writes that state back and the rows continue batched.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
 request gets an error and `on_death` is called (the server then exits non-zero).
 """
@@ -30,6 +32,7 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
+from ..decode import CompiledDecoder
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
 from .prefix_cache import PrefixCache, restore, snapshot
@@ -177,6 +180,7 @@ class Engine:
         self._prefill: Optional[Job] = None
         self._rows: list[Row] = []
         self._cache: Optional[list] = None
+        self._solo: Optional[CompiledDecoder] = None  # the compiled step of a sequence running alone, over _cache
         self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
         self._stop = False
@@ -284,10 +288,16 @@ class Engine:
         self._bias = None
         self._rows = [self._rows[i] for i in keep]
         if not keep:
-            self._cache = None
+            self._cache, self._solo = None, None
             return
         for c in self._cache:
             c.filter(keep)
+
+    def _leave_solo(self) -> None:
+        """The compiled sequence's state back into its cache, as a one-row batch the next rows can join."""
+        self._solo.write_back()
+        self._solo = None
+        self._cache = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in self._cache]
 
     def _abort_all(self, error: APIError) -> None:
         with self._cv:
@@ -297,7 +307,7 @@ class Engine:
             req.fail(error)
         self._live.clear()
         self._jobs.clear()
-        self._rows, self._cache, self._bias, self._prefill = [], None, None, None
+        self._rows, self._cache, self._bias, self._prefill, self._solo = [], None, None, None, None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -347,12 +357,18 @@ class Engine:
 
     def _add_rows(self, job: Job) -> None:
         req, n = job.req, job.req.params.n
-        new = [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in job.cache]
-        if self._cache is None:
-            self._cache = new
+        if not self._rows and n == 1 and CompiledDecoder.applicable(self.model, job.cache):
+            self._cache = job.cache
+            self._solo = CompiledDecoder(self.model, job.cache, reserve=min(req.max_new[job.index] + 1, 2048))
         else:
-            for a, b in zip(self._cache, new):
-                a.extend(b)
+            if self._solo is not None:
+                self._leave_solo()
+            new = [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in job.cache]
+            if self._cache is None:
+                self._cache = new
+            else:
+                for a, b in zip(self._cache, new):
+                    a.extend(b)
         p = req.params
         seed = p.seed if p.seed is not None else secrets.randbits(64)
         keys = mx.random.split(mx.random.key(seed % 2**64), len(req.prompts) * n)
@@ -373,7 +389,8 @@ class Engine:
             return
         try:
             inputs = mx.array([[r.last] for r in rows])  # [B, 1]
-            logits = self.model(inputs, cache=self._cache)[:, -1, :].astype(mx.float32)  # [B, V]
+            logits = self._solo(inputs) if self._solo is not None else self.model(inputs, cache=self._cache)[:, -1, :]
+            logits = logits.astype(mx.float32)  # [B, V]
             logits = self._process(rows, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens = self._sample(rows, logprobs)  # [B]
@@ -386,7 +403,7 @@ class Engine:
             log.exception("decode step failed; failing %d sequences", len(rows))
             for r in rows:
                 r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
-            self._rows, self._cache, self._bias = [], None, None
+            self._rows, self._cache, self._bias, self._solo = [], None, None, None
             return
         self.metrics.decode_steps.inc()
         self.metrics.completion_tokens.inc(len(rows))
