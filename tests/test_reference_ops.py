@@ -199,3 +199,24 @@ def test_gather_matmul_dequantized_matches_quantized_gather(bits, group_size):
     want = R.gather_matmul(x, q, idx, sorted_indices=True, **kw)
     assert got.shape == want.shape == (rows, 1, N)
     assert rel(got, want) < 1e-5
+
+
+def test_gather_matmul_takes_the_dequantized_gemm_only_on_cuda_past_the_threshold(monkeypatch):
+    """The dispatcher's rule for prefill experts: sorted rows >= ops.DEQUANT_GEMM_MIN_ROWS on CUDA, switch on."""
+    from lily_mlx import ops
+
+    E, N, K = 3, 8, 64
+    q, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(7)), group_size=32, bits=4)
+    kw = dict(scales=s, biases=b, group_size=32, bits=4)
+    taken = []
+    monkeypatch.setattr(ops, "gather_matmul_dequantized", lambda *a, **k: taken.append(1) or R.gather_matmul(*a, **k))
+    monkeypatch.setattr(ops, "DEQUANT_GEMM_MIN_ROWS", 6)
+    for backend, rows, sort, switch_on, expect in [("cuda", 6, True, True, 1), ("cuda", 5, True, True, 0),
+                                                   ("cuda", 6, False, True, 0), ("cuda", 6, True, False, 0),
+                                                   ("metal", 6, True, True, 0), ("cpu", 6, True, True, 0)]:
+        monkeypatch.setattr(ops, "backend", lambda: backend)
+        taken.clear()
+        idx, x = mx.zeros((rows,), dtype=mx.uint32), mx.random.normal((rows, 1, K))
+        with ops.disabled(*([] if switch_on else ["moe_dequant_gemm"])):
+            ops.gather_matmul(x, q, idx, sorted_indices=sort, **kw)
+        assert len(taken) == expect, (backend, rows, sort, switch_on)
