@@ -20,15 +20,20 @@ import numpy as np
 from .kernels import wall_time
 
 
-def step_times(model, context: int, steps: int, vocab: int) -> dict:
-    from lily_mlx.decode import CompiledDecoder
-
-    rng = np.random.default_rng(context)
-    prompt = mx.array(rng.integers(0, vocab, (1, context)))
+def prefilled_cache(model, context: int, vocab: int) -> list:
+    """A prompt cache holding `context` random tokens, prefilled in 2048-token steps."""
+    prompt = mx.array(np.random.default_rng(context).integers(0, vocab, (1, context)))
     cache = model.make_cache()
     for i in range(0, context, 2048):
         model(prompt[:, i:i + 2048], cache=cache)
         mx.eval([c.state for c in cache])
+    return cache
+
+
+def step_times(model, context: int, steps: int, vocab: int) -> dict:
+    from lily_mlx.decode import CompiledDecoder
+
+    cache = prefilled_cache(model, context, vocab)
     dec = CompiledDecoder(model, cache, reserve=steps * 3 + 8)
     tok = mx.array([[1]])
     for _ in range(3):  # trace and warm up
@@ -62,17 +67,11 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     from lily_mlx import ops
     from lily_mlx.decode import CompiledDecoder
 
-    rng = np.random.default_rng(context)
-    prompt = mx.array(rng.integers(0, vocab, (1, context)))
-    cache = model.make_cache()
-    for i in range(0, context, 2048):
-        model(prompt[:, i:i + 2048], cache=cache)
-        mx.eval([c.state for c in cache])
+    cache = prefilled_cache(model, context, vocab)
     decoders = {}
     for on in (True, False):
         dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
-        with ops.disabled():  # restores every switch afterwards
-            ops.set_enabled(name, on)
+        with ops.switched(name, on):
             mx.eval(dec(mx.array([[1]])))  # traced (and its kernels built) under this setting
         decoders[on] = dec
     times = {True: [], False: []}

@@ -8,7 +8,6 @@ on vs off (float32 and bfloat16 inputs), and whole-model prefill logits with the
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -138,16 +137,9 @@ def test_deltanet_chunk_metal(case):
     _gpu_scan("metal", case)
 
 
-@contextmanager
 def _switch(on: bool):
     """deltanet_chunk forced on or off, the switches as they were afterwards."""
-    before = set(ops._disabled), set(ops._opted_in)
-    ops.set_enabled("deltanet_chunk", on)
-    try:
-        yield
-    finally:
-        ops._disabled.clear(), ops._opted_in.clear()
-        ops._disabled.update(before[0]), ops._opted_in.update(before[1])
+    return ops.switched("deltanet_chunk", on)
 
 
 def _counting(monkeypatch):

@@ -9,7 +9,6 @@ the same checks through MLX, the model's shape, and whole-model logits with the 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -194,16 +193,9 @@ def test_deltanet_step_metal(case):
     _gpu_steps("metal", case)
 
 
-@contextmanager
 def _switch(on: bool):
     """deltanet_step forced on or off, the switches as they were afterwards."""
-    before = set(ops._disabled), set(ops._opted_in)
-    ops.set_enabled("deltanet_step", on)
-    try:
-        yield
-    finally:
-        ops._disabled.clear(), ops._opted_in.clear()
-        ops._disabled.update(before[0]), ops._opted_in.update(before[1])
+    return ops.switched("deltanet_step", on)
 
 
 def _model_on_vs_off():

@@ -74,10 +74,9 @@ def test_qmv_cuda_model_shapes_and_dispatch():
 def test_qmv_cuda_source_files_and_inline_agree():
     """The #included-source build (opt-in on CUDA) and the inline one are the same kernel: equal bits."""
     x, w, s, b = _inputs(3, 2048, 1000, 4, 64, mx.bfloat16, 4)
-    with ops.disabled():  # restores the switches afterwards
-        ops.set_enabled("cuda_source_files", True)
+    with ops.switched("cuda_source_files", True):
         files = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
-        ops.set_enabled("cuda_source_files", False)
+    with ops.switched("cuda_source_files", False):
         inline = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda")
     assert mx.array_equal(files, inline).item()
 

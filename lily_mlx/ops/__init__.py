@@ -60,6 +60,14 @@ def disabled(*names: str):
         _disabled.update(before[0]), _opted_in.update(before[1])
 
 
+@contextmanager
+def switched(name: str, on: bool):
+    """Temporarily force one path on or off (an opt-in one too): `with ops.switched('deltanet_chunk', True): ...`."""
+    with disabled():  # restores every switch afterwards
+        set_enabled(name, on)
+        yield
+
+
 # Kernel modules register here: name -> fn(*args, **kwargs) -> result or None (not applicable).
 _kernels: dict[str, Callable] = {}
 
