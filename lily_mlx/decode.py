@@ -5,13 +5,18 @@ layers); compiled, the graph is traced once and MLX fuses its elementwise runs. 
 fixed-capacity KV cache: keys/values are written at `offset` into [B, Hkv, capacity, D] buffers and
 attention masks the unwritten tail, so the traced graph is the same at every step. When the
 capacity is reached it grows by `STEP` tokens (one retrace). DeltaNet states are fixed-size already.
+The compiled function is shared by every decoder of the same model, weights and switches, so a new
+request re-traces only for a capacity it has not seen (a trace of the 40-layer graph costs far more
+than a step).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import ops
@@ -78,7 +83,7 @@ class CompiledDecoder:
             k, v = c.keys[..., : self.offset, :], c.values[..., : self.offset, :]
             self.kv.append((_pad_to(k, capacity), _pad_to(v, capacity)))
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = mx.compile(self._step)
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index)
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -92,20 +97,8 @@ class CompiledDecoder:
         return kinds_ok and states_ready and kv_ready and all(c.lengths is None for c in cache if type(c) is ArraysCache)
 
     def _step(self, tokens, offset, *flat):
-        shims: List[Any] = [None] * len(self.cache)
-        n_kv = len(self.kv_index)
-        offset1 = offset.reshape(1)  # once per step, shared by every attention layer
-        for j, i in enumerate(self.kv_index):
-            shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset, offset1)
-        for j, i in enumerate(self.state_index):
-            shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
-        logits = self.model(tokens, cache=shims)[:, -1, :]
-        out = [logits]
-        for i in self.kv_index:
-            out += [shims[i].keys, shims[i].values]
-        for i in self.state_index:
-            out += [shims[i][0], shims[i][1]]
-        return tuple(out)
+        """The uncompiled step (what is traced): logits [B, V], then every updated cache array."""
+        return _decode_step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
@@ -125,6 +118,48 @@ class CompiledDecoder:
             c.keys, c.values, c.offset = k, v, self.offset
         for (conv, state), i in zip(self.states, self.state_index):
             self.cache[i][0], self.cache[i][1] = conv, state
+
+
+def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
+    shims: List[Any] = [None] * n_cache
+    n_kv = len(kv_index)
+    offset1 = offset.reshape(1)  # once per step, shared by every attention layer
+    for j, i in enumerate(kv_index):
+        shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset, offset1)
+    for j, i in enumerate(state_index):
+        shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
+    logits = model(tokens, cache=shims)[:, -1, :]
+    out = [logits]
+    for i in kv_index:
+        out += [shims[i].keys, shims[i].values]
+    for i in state_index:
+        out += [shims[i][0], shims[i][1]]
+    return tuple(out)
+
+
+# id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
+_SHARED: dict[int, tuple[Any, dict]] = {}
+
+
+def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int]) -> Callable:
+    """One mx.compile'd step per model, cache layout, parameter arrays and kernel switches. A trace holds the
+    parameters it saw as constants, so new weights (load_weights, update) or switches key a new trace."""
+    from .ops import KERNEL_NAMES, enabled
+
+    params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
+    switches = tuple(enabled(n) for n in sorted(KERNEL_NAMES))
+    key = (n_cache, tuple(kv_index), tuple(state_index), params, switches)
+    ref, steps = _SHARED.get(id(model), (None, None))
+    if ref is None or ref() is not model:
+        steps = {}
+        ref = weakref.ref(model, lambda _, k=id(model): _SHARED.pop(k, None))
+        _SHARED[id(model)] = (ref, steps)
+    if key not in steps:
+        steps.clear()  # the old trace's weights or switches are gone: free it
+        # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
+        steps[key] = mx.compile(lambda tokens, offset, *flat: _decode_step(ref(), n_cache, kv_index, state_index,
+                                                                           tokens, offset, *flat))
+    return steps[key]
 
 
 def _round_up(n: int) -> int:

@@ -57,3 +57,50 @@ def test_not_applicable_to_other_caches(tiny_checkpoints):
         plain = model.make_cache()
         model(mx.array([[1, 2, 3]]), cache=plain)
         assert not CompiledDecoder.applicable(model, plain)
+
+
+def test_decoders_share_one_trace_until_weights_or_switches_change(tiny_checkpoints, monkeypatch):
+    """A second decoder of the same model and capacity reuses the compiled trace (no re-trace per request);
+    new weight arrays or a changed switch trace anew, and the step then reads the new weights."""
+    import lily_mlx.decode as decode
+
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    traced, real_step = [], decode._decode_step
+    monkeypatch.setattr(decode, "_decode_step", lambda *a: traced.append(1) or real_step(*a))
+
+    def step():
+        cache = model.make_cache()
+        model(mx.array([[5, 9, 33, 7]]), cache=cache)
+        fast = CompiledDecoder(model, cache, reserve=8)(mx.array([[11]]))
+        mx.eval(fast)
+        return fast, model(mx.array([[11]]), cache=cache)[:, -1, :]  # the eager step on the same cache
+
+    a, _ = step()
+    b, _ = step()
+    assert len(traced) == 1 and mx.array_equal(a, b).item()
+    norm = model.language_model.model.norm
+    norm.weight = norm.weight * 3  # a new array: the old trace holds the old one
+    c, eager = step()
+    assert len(traced) == 2 and not mx.allclose(a, c).item()
+    assert float(mx.abs(c - eager).max() / mx.abs(eager).max()) <= 1e-5
+    with ops.disabled("qmv"):  # any switch keys the trace
+        step()
+    assert len(traced) == 3
+
+
+def test_shared_traces_do_not_keep_a_dropped_model_alive(tiny_checkpoints):
+    import gc
+    import weakref
+
+    import lily_mlx.decode as decode
+
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    cache = model.make_cache()
+    model(mx.array([[5, 9, 33]]), cache=cache)
+    dec = CompiledDecoder(model, cache, reserve=8)
+    mx.eval(dec(mx.array([[1]])))
+    alive, key = weakref.ref(model), id(model)
+    assert key in decode._SHARED
+    del model, dec, cache
+    gc.collect()
+    assert alive() is None and key not in decode._SHARED
