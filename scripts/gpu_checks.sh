@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU session's checks in priority order, each under a time limit, so one short lease yields the most:
+# the cuda-marked tests, then the measurements BENCHMARKS.md still lacks. Run from the repository root on an
+# NVIDIA machine with MLX's CUDA build importable (the server step needs the `server` extra); reports go
+# to ${OUT:-gpu-results}/.
+#   bash scripts/gpu_checks.sh [seconds available, default 560]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget=${1:-560}
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+step() {  # step SECONDS NAME COMMAND...: runs when that much time is left, capped at it
+  local need=$1 name=$2
+  shift 2
+  if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  echo "== $name ($(left) s left)"
+  timeout "$(left)" "$@" 2>&1 | grep -v "incorrect regex pattern"
+}
+model=${MODEL:-/tmp/r35}
+[ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
+step 150 "cuda tests" python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider --ignore=tests/test_notebooks.py
+wait
+step 60 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
+  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab.json"
+step 60 "prefill, deltanet_chunk on" env LILY_MLX_ENABLE=deltanet_chunk python3 -m bench.profile_prefill \
+  --model "$model" --tokens 2048 --json "$out/prefill_chunk.json"
+step 120 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
+  --requests-per-client 2 --max-tokens 64 --json "$out/serve.json"
+step 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 256 4096 -g 128 -n 3 --arms stock,lily --no-progress \
+  --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
+echo "== done in $(($(date +%s) - start)) s; reports in $out/"
