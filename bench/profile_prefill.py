@@ -68,10 +68,13 @@ def part_times(model, T: int) -> dict:
     for name, (fn, flops) in parts.items():
         t = wall_time(lambda: mx.eval(fn()), reps=5)
         out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
-    with ops.disabled("moe_dequant_gemm"):
-        fn, flops = parts["routed experts (SwitchGLU, top-k)"]
-        t = wall_time(lambda: mx.eval(fn()), reps=5)
-        out["routed experts, quantized gather (moe_dequant_gemm off)"] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
+    variants = [("moe_dequant_gemm", False, "routed experts (SwitchGLU, top-k)")]
+    variants += [("dense_dequant_gemm", True, name) for name in parts if "proj" in name or name == "shared expert"]
+    for switch, on, name in variants:
+        with ops.switched(switch, on):
+            fn, flops = parts[name]
+            t = wall_time(lambda: mx.eval(fn()), reps=5)
+        out[f"{name}, {switch} {'on' if on else 'off'}"] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
     return out
 
 

@@ -81,6 +81,30 @@ def test_qmv_cuda_source_files_and_inline_agree():
     assert mx.array_equal(files, inline).item()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16])
+def test_many_rows_dense_dequant_gemm_cuda(dt):
+    """dense_dequant_gemm (opt-in) at prefill rows: dequantize + dense GEMM against the float32 oracle and MLX's
+    quantized matmul, norm and residual variants included."""
+    x, w, s, b = _inputs(ops.DENSE_DEQUANT_MIN_ROWS + 3, 2048, 1000, 4, 64, dt, 5)
+    res = mx.random.normal((x.shape[0], 1000), key=mx.random.key(6)).astype(dt)
+    nw = (1 + 0.2 * mx.random.normal((2048,), key=mx.random.key(7))).astype(dt)
+    kw = dict(group_size=64, bits=4)
+    runs = {}
+    for on in (True, False):
+        with ops.switched("dense_dequant_gemm", on):
+            runs[on] = [ops.quantized_matmul(x, w, s, b, **kw), ops.quantized_matmul_add(x, w, s, b, res, **kw),
+                        ops.norm_quantized_matmul(x, nw, 1e-6, w, s, b, **kw)]
+    with mx.stream(mx.cpu):
+        ref = _oracle(x, w, s, b, 64, 4)
+    tol = 3e-3 if dt == mx.float32 else 1e-2  # float32 GEMMs run in TF32 on CUDA by default
+    yf = runs[True][0].astype(mx.float32)
+    assert (mx.linalg.norm(yf - ref) / mx.linalg.norm(ref)).item() < tol
+    for a, c in zip(runs[True], runs[False]):
+        af, cf = a.astype(mx.float32), c.astype(mx.float32)
+        assert not mx.isnan(af).any().item() and (mx.linalg.norm(af - cf) / mx.linalg.norm(cf)).item() < tol
+
+
 # (bits, group, x dtype, M, K, N, fusion): the input norm over one and several K tiles, the residual add.
 FUSED = [(4, 64, mx.bfloat16, 1, 2048, 8192 + 4096 + 64, "norm"), (8, 64, mx.bfloat16, 2, 2048, 257, "norm"),
          (4, 32, mx.float32, 8, 1024, 19, "norm"), (4, 64, mx.bfloat16, 1, 4096, 2048, "residual"),

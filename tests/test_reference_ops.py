@@ -220,3 +220,35 @@ def test_gather_matmul_takes_the_dequantized_gemm_only_on_cuda_past_the_threshol
         with ops.disabled(*([] if switch_on else ["moe_dequant_gemm"])):
             ops.gather_matmul(x, q, idx, sorted_indices=sort, **kw)
         assert len(taken) == expect, (backend, rows, sort, switch_on)
+
+
+def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
+    """ops.quantized_matmul / norm_ / _add past DENSE_DEQUANT_MIN_ROWS on CUDA with dense_dequant_gemm on:
+    dequantize + dense GEMM, equal to MLX's quantized matmul (float32); fewer rows, off, or not CUDA: MLX's."""
+    from lily_mlx import ops
+
+    N, K, rows = 40, 96, 7
+    q, s, b = mx.quantize(mx.random.normal((N, K), key=mx.random.key(8)), group_size=32, bits=4)
+    x = mx.random.normal((1, rows, K), key=mx.random.key(9))
+    nw, res = 1 + 0.1 * mx.random.normal((K,), key=mx.random.key(10)), mx.random.normal((1, rows, N))
+    kw = dict(group_size=32, bits=4)
+    want = R.quantized_matmul(x, q, s, b, **kw)
+    calls = []
+    real = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_ROWS", rows)
+    for backend, on, taken in [("cuda", True, 1), ("cuda", False, 0), ("metal", True, 0), ("cpu", True, 0)]:
+        monkeypatch.setattr(ops, "backend", lambda: backend)
+        calls.clear()
+        with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", on):  # qmv: the few-row kernel
+            got = ops.quantized_matmul(x, q, s, b, **kw)
+            normed = ops.norm_quantized_matmul(x, nw, 1e-6, q, s, b, **kw)
+            added = ops.quantized_matmul_add(x, q, s, b, res, **kw)
+        assert len(calls) == 3 * taken, (backend, on)
+        assert rel(got, want) < 1e-5 and rel(added, res + want) < 1e-5
+        assert rel(normed, R.quantized_matmul(R.rms_norm(x, nw, 1e-6), q, s, b, **kw)) < 1e-5
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    calls.clear()
+    with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", True):
+        ops.quantized_matmul(x[:, :rows - 1], q, s, b, **kw)
+    assert not calls

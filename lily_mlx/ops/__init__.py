@@ -94,12 +94,27 @@ def _try(name: str, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+# Rows from which a dense quantized projection may run as dequantize + a dense GEMM (opt-in until timed on a
+# GPU against MLX's quantized matmul: bench/profile_prefill.py prints both).
+DENSE_DEQUANT_MIN_ROWS = 512
+register_switch("dense_dequant_gemm", "prefill projections: dequantize the weight, then a dense GEMM (CUDA)",
+                default_on=False)
+
+
+def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
+    """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows (switch on), the
+    weight dequantized to x's dtype and a dense GEMM on the tensor cores; else MLX's quantized matmul."""
+    if x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and backend() == "cuda" and enabled("dense_dequant_gemm"):
+        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype).T  # [..., N]
+    return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """x [..., K] times affine-quantized w [N, K*bits/32] (scales/biases [N, K/group]) -> [..., N]."""
     out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits)
     if out is not None:
         return out
-    return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    return _many_rows_matmul(x, w, scales, biases, group_size, bits)
 
 
 def norm_quantized_matmul(x, norm_weight, eps: float, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
@@ -107,8 +122,7 @@ def norm_quantized_matmul(x, norm_weight, eps: float, w, scales, biases, *, grou
     out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits, norm=(norm_weight, eps))
     if out is not None:
         return out
-    return reference.quantized_matmul(reference.rms_norm(x, norm_weight, eps), w, scales, biases,
-                                      group_size=group_size, bits=bits)
+    return _many_rows_matmul(reference.rms_norm(x, norm_weight, eps), w, scales, biases, group_size, bits)
 
 
 def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bits: int) -> mx.array:
@@ -116,7 +130,7 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
     out = _try("qmv", x, w, scales, biases, group_size=group_size, bits=bits, residual=residual)
     if out is not None:
         return out
-    return residual + reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    return residual + _many_rows_matmul(x, w, scales, biases, group_size, bits)
 
 
 # Sorted expert rows (tokens x top-k) from which dequantizing every expert and running MLX's grouped GEMM
