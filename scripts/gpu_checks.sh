@@ -25,7 +25,7 @@ step 150 "cuda tests" python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider --ig
 wait
 step 60 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
   --no-ops --ab-switch cuda_source_files --json "$out/decode_ab.json"
-step 60 "prefill, deltanet_chunk and dense_dequant_gemm on" env LILY_MLX_ENABLE=deltanet_chunk,dense_dequant_gemm python3 -m bench.profile_prefill \
+step 60 "prefill, opt-in paths on" env LILY_MLX_ENABLE=deltanet_chunk,dense_dequant_gemm,dequant python3 -m bench.profile_prefill \
   --model "$model" --tokens 2048 --json "$out/prefill_chunk.json"
 step 120 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
   --requests-per-client 2 --max-tokens 64 --json "$out/serve.json"

@@ -101,11 +101,20 @@ register_switch("dense_dequant_gemm", "prefill projections: dequantize the weigh
                 default_on=False)
 
 
+def dequantize(w, scales, biases, *, group_size: int, bits: int, dtype) -> mx.array:
+    """Affine-quantized w [..., K*bits/32] (scales/biases [..., K/group]) -> [..., K] in dtype: the operand of the
+    prefill's dequantized GEMMs. One kernel launch where it applies, else mx.dequantize."""
+    out = _try("dequant", w, scales, biases, group_size=group_size, bits=bits, dtype=dtype)
+    if out is not None:
+        return out
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(dtype)
+
+
 def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
     """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows (switch on), the
     weight dequantized to x's dtype and a dense GEMM on the tensor cores; else MLX's quantized matmul."""
     if x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and backend() == "cuda" and enabled("dense_dequant_gemm"):
-        return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype).T  # [..., N]
+        return x @ dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype).T  # [..., N]
     return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
@@ -145,7 +154,7 @@ register_switch("cuda_source_files", "CUDA kernel sources #included from files: 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
     """gather_matmul of many rows sorted by expert: all experts dequantized to x's dtype (w [E, N, K]), then
     gather_mm, which on CUDA runs sorted rows as one cutlass grouped GEMM on the tensor cores."""
-    wd = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)  # [E, N, K]
+    wd = dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype)  # [E, N, K]
     return mx.gather_mm(x, wd.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)  # [..., k, 1, N]
 
 
@@ -297,3 +306,4 @@ from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401
 from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
+from . import dequant as _dequant  # noqa: E402,F401
