@@ -68,7 +68,8 @@ def part_times(model, T: int) -> dict:
     for name, (fn, flops) in parts.items():
         t = wall_time(lambda: mx.eval(fn()), reps=5)
         out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
-    variants = [("moe_dequant_gemm", False, "routed experts (SwitchGLU, top-k)")]
+    experts = "routed experts (SwitchGLU, top-k)"
+    variants = [("moe_dequant_gemm", False, experts), ("dequant", not ops.enabled("dequant"), experts)]
     variants += [("dense_dequant_gemm", True, name) for name in parts if "proj" in name or name == "shared expert"]
     for switch, on, name in variants:
         with ops.switched(switch, on):
