@@ -104,3 +104,20 @@ def test_shared_traces_do_not_keep_a_dropped_model_alive(tiny_checkpoints):
     del model, dec, cache
     gc.collect()
     assert alive() is None and key not in decode._SHARED
+
+
+def test_prefill_with_query_blocked_attention_equals_one_block(tiny_checkpoints, monkeypatch):
+    """A model prefill whose attention runs in blocks of queries (the long-prompt memory bound), over a cached
+    prefix, gives the logits of the unblocked prefill."""
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    prompt = mx.array([np.random.default_rng(1).integers(0, 512, size=45).tolist()])
+
+    def prefill():
+        cache = model.make_cache()
+        model(prompt[:, :20], cache=cache)
+        return model(prompt[:, 20:], cache=cache)  # 25 queries over 45 keys
+
+    want = prefill()
+    monkeypatch.setattr(ops, "MAX_ATTENTION_SCORES", 4 * 45 * 4)  # blocks of 4 queries (tiny model: 4 heads)
+    got = prefill()
+    assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5

@@ -252,3 +252,29 @@ def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
     with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", True):
         ops.quantized_matmul(x[:, :rows - 1], q, s, b, **kw)
     assert not calls
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", None, "array"])
+def test_query_blocked_attention_equals_attention(mask_kind, monkeypatch):
+    """Prefill attention in blocks of queries (bounded scores) equals one call: causal with a cached prefix
+    (L < S, bottom-right), no mask, a boolean array mask; GQA 6:2, odd L and S, a ragged last block."""
+    from lily_mlx import ops
+
+    B, Hq, Hkv, L, S, D = 2, 6, 2, 37, 53, 24
+    keys = mx.random.split(mx.random.key(11), 4)
+    q = mx.random.normal((B, Hq, L, D), key=keys[0])
+    k, v = mx.random.normal((B, Hkv, S, D), key=keys[1]), mx.random.normal((B, Hkv, S, D), key=keys[2])
+    mask = mask_kind
+    if mask_kind == "array":
+        mask = mx.random.uniform(key=keys[3], shape=(B, 1, L, S)) < 0.7
+        mask = mask | (mx.arange(S)[None, None, None, :] == 0)  # every query sees at least one key
+    want = R.attention(q, k, v, scale=D**-0.5, mask=mask)
+    max_scores = B * Hq * S * 8  # blocks of 8 queries: 4 full, one of 5
+    got = R.attention_query_blocked(q, k, v, scale=D**-0.5, mask=mask, max_scores=max_scores)
+    assert rel(got, want) < 1e-5
+    monkeypatch.setattr(ops, "MAX_ATTENTION_SCORES", max_scores)
+    calls = []
+    real = R.attention
+    monkeypatch.setattr(R, "attention", lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    assert rel(ops.attention(q, k, v, scale=D**-0.5, mask=mask), want) < 1e-5
+    assert calls == [8, 8, 8, 8, 5]

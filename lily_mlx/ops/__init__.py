@@ -248,11 +248,15 @@ def rope(x, dims: int, base: float, offset) -> mx.array:
     return reference.rope(x, dims, base, offset)
 
 
+# Scores one prefill attention may hold at once: 2^27 (512 MB in float32) bounds a 65,536-token prompt's
+# attention to the memory of a 2,048-token one (16 query heads: blocks of 128 queries at the end).
+MAX_ATTENTION_SCORES = 1 << 27
+
+
 def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
-    """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]."""
-    out = _try("attention", q, k, v, scale=scale, mask=mask)
-    if out is not None:
-        return out
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]; mask None, 'causal' (bottom-right) or an array."""
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > MAX_ATTENTION_SCORES:
+        return reference.attention_query_blocked(q, k, v, scale=scale, mask=mask, max_scores=MAX_ATTENTION_SCORES)
     return reference.attention(q, k, v, scale=scale, mask=mask)
 
 

@@ -248,6 +248,28 @@ def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def attention_query_blocked(q, k, v, *, scale: float, mask=None, max_scores: int) -> mx.array:
+    """attention() over blocks of queries, so at most about `max_scores` scores exist at once (the unfused
+    attention MLX falls back to, e.g. head_dim 256 on CUDA, holds all B*Hq*L*S). Causal masks are
+    bottom-right aligned (the queries are the last L of S positions), so a block of queries [i0, i1) is
+    the causal attention of the keys up to S - L + i1: the upper triangle is skipped, not computed."""
+    B, Hq, L, _ = q.shape
+    S = k.shape[2]
+    rows = max(1, max_scores // (B * Hq * S))
+    if rows >= L:
+        return attention(q, k, v, scale=scale, mask=mask)
+    causal = isinstance(mask, str)
+    if causal and mask != "causal":
+        raise ValueError(f"attention mask {mask!r}: only 'causal' is a string mask")
+    outs = []
+    for i0 in range(0, L, rows):
+        i1 = min(L, i0 + rows)
+        end = S - L + i1 if causal else S
+        m = mask if mask is None or causal else mask[..., i0:i1, :end]
+        outs.append(attention(q[:, :, i0:i1], k[:, :, :end], v[:, :, :end], scale=scale, mask=m))
+    return mx.concatenate(outs, axis=2)  # [B, Hq, L, D]
+
+
 def attention_oracle(q, k, v, *, scale: float, mask=None) -> mx.array:
     """attention by explicit scores and softmax in float32."""
     Hq, L = q.shape[1], q.shape[2]
