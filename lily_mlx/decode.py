@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from . import ops
 
@@ -42,6 +42,25 @@ class _StaticKV:
     def make_mask(self, N: int, **_) -> mx.array:
         pos = self.offset + mx.arange(N)[:, None]  # [N, 1]: each query's absolute position
         return mx.arange(self.keys.shape[2])[None, :] <= pos  # [N, capacity]
+
+
+class _StaticBatchKV:
+    """A BatchKVCache's rows at a fixed capacity: the step writes column `idx` of every row, row i holds its
+    tokens in columns [left_padding[i], idx], and `offset` [B] (tokens per row) positions RoPE."""
+
+    def __init__(self, keys: mx.array, values: mx.array, idx1: mx.array, left_padding: mx.array, offset: mx.array):
+        self.keys, self.values, self.idx1 = keys, values, idx1  # idx1: int32 [1]
+        self.left_padding, self.offset = left_padding, offset
+
+    def update_and_fetch(self, k: mx.array, v: mx.array):
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.idx1, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.idx1, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, **_) -> mx.array:
+        pos = mx.arange(self.keys.shape[2])[None, :]  # [1, capacity]
+        visible = (pos >= self.left_padding[:, None]) & (pos <= self.idx1 + N - 1)  # [B, capacity]
+        return visible[:, None, None, :]
 
 
 class _StaticState:
@@ -120,6 +139,76 @@ class CompiledDecoder:
             self.cache[i][0], self.cache[i][1] = conv, state
 
 
+class CompiledBatchDecoder:
+    """Decode steps of B rows held in mlx-lm's BatchKVCache (left-padded) and ArraysCache, compiled like
+    CompiledDecoder: the rows' K/V at a fixed capacity, each step writing column `idx` and attending through
+    a [B, 1, 1, capacity] mask. `decoder(tokens [B, 1]) -> logits [B, V]`; `write_back()` returns the state
+    to the cache objects (before rows are added or removed)."""
+
+    def __init__(self, model, cache: List[Any], reserve: int = STEP):
+        self.model, self.cache = model, cache
+        model.fuse_projections()
+        self.kv_index = [i for i, c in enumerate(cache) if isinstance(c, BatchKVCache)]
+        self.state_index = [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
+        first = cache[self.kv_index[0]]
+        self.idx, self.left_padding, self.offset = first._idx, first.left_padding.astype(mx.int32), first.offset
+        capacity = max(first.keys.shape[2], self.idx + reserve)
+        self.kv = [(_pad_to(cache[i].keys[..., : self.idx, :], capacity),
+                    _pad_to(cache[i].values[..., : self.idx, :], capacity)) for i in self.kv_index]
+        self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, batch=True)
+
+    @staticmethod
+    def applicable(model, cache: List[Any]) -> bool:
+        from .model import Model
+
+        if not isinstance(model, Model) or not ops.enabled("compiled_decode"):
+            return False
+        kv = [c for c in cache if type(c) is BatchKVCache]
+        states = [c for c in cache if type(c) is ArraysCache]
+        if not kv or len(kv) + len(states) != len(cache) or any(c.keys is None for c in kv):
+            return False
+        same_rows = all(c._idx == kv[0]._idx and mx.array_equal(c.left_padding, kv[0].left_padding).item() for c in kv)
+        return same_rows and all(c[0] is not None and c[1] is not None and c.lengths is None and c.left_padding is None
+                                 for c in states)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        if self.idx + tokens.shape[1] > self.kv[0][0].shape[2]:
+            capacity = self.idx + tokens.shape[1] + STEP
+            self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
+        flat = [a for pair in self.kv for a in pair] + [a for pair in self.states for a in pair]
+        out = self._fn(tokens, mx.array([self.idx], dtype=mx.int32), self.left_padding, self.offset, *flat)
+        n_kv = len(self.kv)
+        self.offset = out[1]
+        self.kv = [(out[2 + 2 * j], out[3 + 2 * j]) for j in range(n_kv)]
+        self.states = [(out[2 + 2 * n_kv + 2 * j], out[3 + 2 * n_kv + 2 * j]) for j in range(len(self.states))]
+        self.idx += tokens.shape[1]
+        return out[0]
+
+    def write_back(self) -> None:
+        for (k, v), i in zip(self.kv, self.kv_index):
+            c = self.cache[i]
+            c.keys, c.values, c._idx, c.offset = k, v, self.idx, self.offset
+        for (conv, state), i in zip(self.states, self.state_index):
+            self.cache[i][0], self.cache[i][1] = conv, state
+
+
+def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
+                offset, *flat):
+    shims: List[Any] = [None] * n_cache
+    n_kv = len(kv_index)
+    for j, i in enumerate(kv_index):
+        shims[i] = _StaticBatchKV(flat[2 * j], flat[2 * j + 1], idx1, left_padding, offset)
+    for j, i in enumerate(state_index):
+        shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
+    out = [model(tokens, cache=shims)[:, -1, :], offset + tokens.shape[1]]
+    for i in kv_index:
+        out += [shims[i].keys, shims[i].values]
+    for i in state_index:
+        out += [shims[i][0], shims[i][1]]
+    return tuple(out)
+
+
 def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
     shims: List[Any] = [None] * n_cache
     n_kv = len(kv_index)
@@ -141,24 +230,25 @@ def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int
 _SHARED: dict[int, tuple[Any, dict]] = {}
 
 
-def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int]) -> Callable:
+def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], batch: bool = False) -> Callable:
     """One mx.compile'd step per model, cache layout, parameter arrays and kernel switches. A trace holds the
     parameters it saw as constants, so new weights (load_weights, update) or switches key a new trace."""
     from .ops import KERNEL_NAMES, enabled
 
     params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
     switches = tuple(enabled(n) for n in sorted(KERNEL_NAMES))
-    key = (n_cache, tuple(kv_index), tuple(state_index), params, switches)
+    key = (batch, n_cache, tuple(kv_index), tuple(state_index), params, switches)
     ref, steps = _SHARED.get(id(model), (None, None))
     if ref is None or ref() is not model:
         steps = {}
         ref = weakref.ref(model, lambda _, k=id(model): _SHARED.pop(k, None))
         _SHARED[id(model)] = (ref, steps)
     if key not in steps:
-        steps.clear()  # the old trace's weights or switches are gone: free it
+        for old in [k for k in steps if k[1:] != key[1:]]:  # the old trace's weights or switches are gone: free it
+            del steps[old]
         # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
-        steps[key] = mx.compile(lambda tokens, offset, *flat: _decode_step(ref(), n_cache, kv_index, state_index,
-                                                                           tokens, offset, *flat))
+        step = _batch_step if batch else _decode_step
+        steps[key] = mx.compile(lambda *args: step(ref(), n_cache, kv_index, state_index, *args))
     return steps[key]
 
 

@@ -739,3 +739,51 @@ def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
         eager, solo_off = run()
     assert solo and not solo_off
     assert compiled == eager
+
+
+def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir):
+    """Three requests of different prompt lengths and lengths of output: once their rows are stable the batch
+    decodes compiled (CompiledBatchDecoder); rows leaving and a late one joining write the state back. The
+    greedy text equals the eager batched path's (compiled_decode off)."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server import engine as eng
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    texts = ["Foxes", "A longer prompt about the habits of dogs and", "Models serve", "Late arrival:"]
+    lengths = [40, 28, 52, 20]
+
+    def run():
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs, batched_seen = [[] for _ in texts], [], False
+        try:
+            for i, (t, n) in enumerate(zip(texts, lengths)):
+                if i == 3:  # the late one joins a running batch, stable (so compiled unless switched off)
+                    deadline = time.monotonic() + 30
+                    while not (len(engine._rows) == 3 and engine._stable > eng.STABLE_STEPS + 1):
+                        assert time.monotonic() < deadline and not all(r.finished for r in reqs)
+                        time.sleep(0.001)
+                    batched_seen = engine._batched is not None
+                req = Request([tok.encode(t)], [[]], [n], SamplingParams(temperature=0),
+                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+            deadline = time.monotonic() + 60
+            while not all(r.finished for r in reqs):
+                assert time.monotonic() < deadline, "requests did not finish"
+                batched_seen = batched_seen or engine._batched is not None
+                time.sleep(0.001)
+        finally:
+            engine.stop()
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events], batched_seen
+
+    assert eng.STABLE_STEPS < min(lengths) // 2
+    compiled, seen = run()
+    with ops.disabled("compiled_decode"):
+        eager, seen_off = run()
+    assert seen and not seen_off
+    assert compiled == eager

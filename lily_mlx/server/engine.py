@@ -5,7 +5,9 @@ of the queue (batch 1, resuming from the prefix cache), then one decode step of 
 sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and ArraysCache
 (DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice. A
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
-own prompt cache; a second arrival writes that state back and the rows continue batched.
+own prompt cache; a second arrival writes that state back and the rows continue batched. A batch whose
+rows have not changed for STABLE_STEPS steps decodes compiled too (CompiledBatchDecoder), until the next
+row joins or leaves.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
 request gets an error and `on_death` is called (the server then exits non-zero).
 """
@@ -32,13 +34,16 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
-from ..decode import CompiledDecoder
+from ..decode import CompiledBatchDecoder, CompiledDecoder
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
 from .prefix_cache import PrefixCache, restore, snapshot
 from .schema import APIError, BadRequest, SamplingParams
 
 log = logging.getLogger("lily_mlx.server")
+# Steps a batch must keep its rows before it is compiled: each new batch size traces the 40-layer graph once
+# (then reused), and copying the rows' caches into a decoder is wasted on a batch about to change.
+STABLE_STEPS = 4
 
 
 class QueueFull(APIError):
@@ -181,6 +186,8 @@ class Engine:
         self._rows: list[Row] = []
         self._cache: Optional[list] = None
         self._solo: Optional[CompiledDecoder] = None  # the compiled step of a sequence running alone, over _cache
+        self._batched: Optional[CompiledBatchDecoder] = None  # the compiled step of a stable batch, over _cache
+        self._stable = 0  # decode steps since the rows last changed
         self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
         self._stop = False
@@ -285,6 +292,7 @@ class Engine:
     def _filter_rows(self, keep: list[int]) -> None:
         if len(keep) == len(self._rows):
             return
+        self._leave_batched()
         self._bias = None
         self._rows = [self._rows[i] for i in keep]
         if not keep:
@@ -292,6 +300,13 @@ class Engine:
             return
         for c in self._cache:
             c.filter(keep)
+
+    def _leave_batched(self) -> None:
+        """The compiled batch's state back into the batch caches, before its rows change."""
+        self._stable = 0
+        if self._batched is not None:
+            self._batched.write_back()
+            self._batched = None
 
     def _leave_solo(self) -> None:
         """The compiled sequence's state back into its cache, as a one-row batch the next rows can join."""
@@ -307,7 +322,7 @@ class Engine:
             req.fail(error)
         self._live.clear()
         self._jobs.clear()
-        self._rows, self._cache, self._bias, self._prefill, self._solo = [], None, None, None, None
+        self._rows, self._cache, self._bias, self._prefill, self._solo, self._batched = [], None, None, None, None, None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -361,6 +376,7 @@ class Engine:
             self._cache = job.cache
             self._solo = CompiledDecoder(self.model, job.cache, reserve=min(req.max_new[job.index] + 1, 2048))
         else:
+            self._leave_batched()
             if self._solo is not None:
                 self._leave_solo()
             new = [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in job.cache]
@@ -389,8 +405,7 @@ class Engine:
             return
         try:
             inputs = mx.array([[r.last] for r in rows])  # [B, 1]
-            logits = self._solo(inputs) if self._solo is not None else self.model(inputs, cache=self._cache)[:, -1, :]
-            logits = logits.astype(mx.float32)  # [B, V]
+            logits = self._step(inputs).astype(mx.float32)  # [B, V]
             logits = self._process(rows, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             tokens = self._sample(rows, logprobs)  # [B]
@@ -403,7 +418,7 @@ class Engine:
             log.exception("decode step failed; failing %d sequences", len(rows))
             for r in rows:
                 r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
-            self._rows, self._cache, self._bias, self._solo = [], None, None, None
+            self._rows, self._cache, self._bias, self._solo, self._batched = [], None, None, None, None
             return
         self.metrics.decode_steps.inc()
         self.metrics.completion_tokens.inc(len(rows))
@@ -432,6 +447,17 @@ class Engine:
         for req in touched.values():
             req.flush()
         self._filter_rows([i for i in keep if not rows[i].req.finished])
+
+    def _step(self, inputs: mx.array) -> mx.array:
+        """Logits [B, V] of one decode step of every row: compiled when alone or in a stable batch, else eager."""
+        if self._solo is not None:
+            return self._solo(inputs)
+        self._stable += 1
+        if self._batched is None and self._stable > STABLE_STEPS and CompiledBatchDecoder.applicable(self.model, self._cache):
+            self._batched = CompiledBatchDecoder(self.model, self._cache)
+        if self._batched is not None:
+            return self._batched(inputs)
+        return self.model(inputs, cache=self._cache)[:, -1, :]
 
     def _advance(self, r: Row, token: int, lp: Optional[TokenLogprob]) -> bool:
         """Feed one sampled token to its row. -> whether the row keeps generating."""
