@@ -123,11 +123,8 @@ class CompiledDecoder:
         if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
             capacity = _round_up(self.offset + tokens.shape[1] + STEP)
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
-        flat = [a for pair in self.kv for a in pair] + [a for pair in self.states for a in pair]
-        out = self._fn(tokens, mx.array(self.offset, dtype=mx.int32), *flat)
-        n_kv = len(self.kv)
-        self.kv = [(out[1 + 2 * j], out[2 + 2 * j]) for j in range(n_kv)]
-        self.states = [(out[1 + 2 * n_kv + 2 * j], out[2 + 2 * n_kv + 2 * j]) for j in range(len(self.states))]
+        out = self._fn(tokens, mx.array(self.offset, dtype=mx.int32), *_flatten(self.kv, self.states))
+        self.kv, self.states = _unflatten(out[1:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
         return out[0]
 
@@ -176,12 +173,10 @@ class CompiledBatchDecoder:
         if self.idx + tokens.shape[1] > self.kv[0][0].shape[2]:
             capacity = self.idx + tokens.shape[1] + STEP
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
-        flat = [a for pair in self.kv for a in pair] + [a for pair in self.states for a in pair]
+        flat = _flatten(self.kv, self.states)
         out = self._fn(tokens, mx.array([self.idx], dtype=mx.int32), self.left_padding, self.offset, *flat)
-        n_kv = len(self.kv)
         self.offset = out[1]
-        self.kv = [(out[2 + 2 * j], out[3 + 2 * j]) for j in range(n_kv)]
-        self.states = [(out[2 + 2 * n_kv + 2 * j], out[3 + 2 * n_kv + 2 * j]) for j in range(len(self.states))]
+        self.kv, self.states = _unflatten(out[2:], len(self.kv), len(self.states))
         self.idx += tokens.shape[1]
         return out[0]
 
@@ -193,37 +188,41 @@ class CompiledBatchDecoder:
             self.cache[i][0], self.cache[i][1] = conv, state
 
 
+def _flatten(kv, states) -> list:
+    return [a for pair in kv for a in pair] + [a for pair in states for a in pair]
+
+
+def _unflatten(flat, n_kv: int, n_states: int) -> tuple[list, list]:
+    """(kv pairs, state pairs) from _flatten's order."""
+    pairs = [(flat[2 * j], flat[2 * j + 1]) for j in range(n_kv + n_states)]
+    return pairs[:n_kv], pairs[n_kv:]
+
+
+def _run_model(model, tokens, n_cache: int, kv_index, state_index, flat, make_kv) -> tuple[mx.array, list]:
+    """The model over shims of its cache (make_kv(keys, values) for the attention layers): the last
+    position's logits [B, V] and every updated cache array, in _flatten's order."""
+    kv, states = _unflatten(flat, len(kv_index), len(state_index))
+    shims: List[Any] = [None] * n_cache
+    for i, (k, v) in zip(kv_index, kv):
+        shims[i] = make_kv(k, v)
+    for i, (conv, state) in zip(state_index, states):
+        shims[i] = _StaticState(conv, state)
+    logits = model(tokens, cache=shims)[:, -1, :]
+    return logits, _flatten([(shims[i].keys, shims[i].values) for i in kv_index], [tuple(shims[i].cache) for i in state_index])
+
+
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
                 offset, *flat):
-    shims: List[Any] = [None] * n_cache
-    n_kv = len(kv_index)
-    for j, i in enumerate(kv_index):
-        shims[i] = _StaticBatchKV(flat[2 * j], flat[2 * j + 1], idx1, left_padding, offset)
-    for j, i in enumerate(state_index):
-        shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
-    out = [model(tokens, cache=shims)[:, -1, :], offset + tokens.shape[1]]
-    for i in kv_index:
-        out += [shims[i].keys, shims[i].values]
-    for i in state_index:
-        out += [shims[i][0], shims[i][1]]
-    return tuple(out)
+    make = lambda k, v: _StaticBatchKV(k, v, idx1, left_padding, offset)  # noqa: E731
+    logits, caches = _run_model(model, tokens, n_cache, kv_index, state_index, flat, make)
+    return (logits, offset + tokens.shape[1], *caches)
 
 
 def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
-    shims: List[Any] = [None] * n_cache
-    n_kv = len(kv_index)
     offset1 = offset.reshape(1)  # once per step, shared by every attention layer
-    for j, i in enumerate(kv_index):
-        shims[i] = _StaticKV(flat[2 * j], flat[2 * j + 1], offset, offset1)
-    for j, i in enumerate(state_index):
-        shims[i] = _StaticState(flat[2 * n_kv + 2 * j], flat[2 * n_kv + 2 * j + 1])
-    logits = model(tokens, cache=shims)[:, -1, :]
-    out = [logits]
-    for i in kv_index:
-        out += [shims[i].keys, shims[i].values]
-    for i in state_index:
-        out += [shims[i][0], shims[i][1]]
-    return tuple(out)
+    logits, caches = _run_model(model, tokens, n_cache, kv_index, state_index, flat,
+                                lambda k, v: _StaticKV(k, v, offset, offset1))
+    return (logits, *caches)
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
