@@ -152,6 +152,8 @@ class CompiledBatchDecoder:
         capacity = max(first.keys.shape[2], self.idx + reserve)
         self.kv = [(_pad_to(cache[i].keys[..., : self.idx, :], capacity),
                     _pad_to(cache[i].values[..., : self.idx, :], capacity)) for i in self.kv_index]
+        for i in self.kv_index:  # the rows live here until write_back: one copy of the K/V in memory, not two
+            cache[i].keys = cache[i].values = None
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
         self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, batch=True)
 
