@@ -453,7 +453,8 @@ class Engine:
         if self._solo is not None:
             return self._solo(inputs)
         self._stable += 1
-        if self._batched is None and self._stable > STABLE_STEPS and CompiledBatchDecoder.applicable(self.model, self._cache):
+        # Checked once per stable run of rows (not every step): a batch that cannot compile stays eager until it changes.
+        if self._batched is None and self._stable == STABLE_STEPS + 1 and CompiledBatchDecoder.applicable(self.model, self._cache):
             self._batched = CompiledBatchDecoder(self.model, self._cache)
         if self._batched is not None:
             return self._batched(inputs)
