@@ -15,11 +15,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .kernels import wall_time
 
 
-def prefill_time(model, tokens: int, vocab: int, step: int = 2048) -> float:
+def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3) -> tuple[float, float]:
+    """Median seconds of the whole prompt's prefill, and the peak memory (GB) it reached."""
     prompt = mx.array(np.random.default_rng(tokens).integers(0, vocab, (1, tokens)))
 
     def run():
@@ -27,7 +29,10 @@ def prefill_time(model, tokens: int, vocab: int, step: int = 2048) -> float:
         for i in range(0, tokens, step):
             model(prompt[:, i:i + step], cache=cache)
             mx.eval([c.state for c in cache])
-    return wall_time(run, reps=3)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t = wall_time(run, reps=reps)
+    return t, mx.get_peak_memory() / 1e9
 
 
 def part_times(model, T: int) -> dict:
@@ -69,7 +74,9 @@ def part_times(model, T: int) -> dict:
         t = wall_time(lambda: mx.eval(fn()), reps=5)
         out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
     experts = "routed experts (SwitchGLU, top-k)"
-    variants = [("moe_dequant_gemm", False, experts), ("dequant", not ops.enabled("dequant"), experts)]
+    mixer = "deltanet_mix (conv, gates, chunked recurrence, gated norm)"
+    variants = [("moe_dequant_gemm", False, experts), ("dequant", not ops.enabled("dequant"), experts),
+                ("deltanet_chunk", not ops.enabled("deltanet_chunk"), mixer)]
     variants += [("dense_dequant_gemm", True, name) for name in parts if "proj" in name or name == "shared expert"]
     for switch, on, name in variants:
         with ops.switched(switch, on):
@@ -104,26 +111,44 @@ def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256)) -> list:
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lily_mlx
+    from lily_mlx import ops
 
     ap = argparse.ArgumentParser(prog="python -m bench.profile_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--json", dest="json_path")
+    ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
+                    help="also time the whole prefill with each of these switches flipped, in the same process")
+    ap.add_argument("--whole-only", action="store_true", help="time the whole prefill only, not each part")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' two paths by token count")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     cfg = model.config
     n_dn = sum(l.is_linear for l in model.language_model.model.layers)
     n_at = len(model.language_model.model.layers) - n_dn
     report = {"model": args.model, "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": []}
+    weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+    report["weights_gb"] = weights_gb
+    print(f"weights {weights_gb:.2f} GB", flush=True)
     for T in args.tokens:
-        total = prefill_time(model, T, cfg.vocab_size)
-        parts = part_times(model, T)
-        report["rows"].append({"tokens": T, "prefill_s": total, "tok_s": T / total, "parts": parts})
-        print(f"{T} tokens: prefill {total * 1e3:.1f} ms ({T / total:.0f} tok/s); per layer, alone "
-              f"({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
-        for name, p in parts.items():
-            print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
-    report["expert_sweep"] = expert_sweep(model)
+        reps = 3 if T <= 16384 else 1
+        total, peak = prefill_time(model, T, cfg.vocab_size, reps=reps)
+        row = {"tokens": T, "prefill_s": total, "tok_s": T / total, "peak_gb": peak, "flipped": {}}
+        print(f"{T} tokens: prefill {total * 1e3:.1f} ms ({T / total:.0f} tok/s), peak memory {peak:.2f} GB "
+              f"(weights + {peak - weights_gb:.2f})", flush=True)
+        for name in args.ab_switch:
+            on = not ops.enabled(name)
+            with ops.switched(name, on):
+                t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps)
+            row["flipped"][f"{name} {'on' if on else 'off'}"] = {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
+            print(f"  {name} {'on' if on else 'off'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB", flush=True)
+        if not args.whole_only:
+            row["parts"] = part_times(model, T)
+            print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
+            for name, p in row["parts"].items():
+                print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
+        report["rows"].append(row)
+    report["expert_sweep"] = expert_sweep(model) if args.sweep else []
     for r in report["expert_sweep"]:
         print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
               f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms", flush=True)

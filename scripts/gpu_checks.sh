@@ -12,23 +12,25 @@ out=${OUT:-gpu-results}
 mkdir -p "$out"
 start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - start))); }
-step() {  # step SECONDS NAME COMMAND...: runs when that much time is left, capped at it
-  local need=$1 name=$2
-  shift 2
+step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
+  local need=$1 cap=$2 name=$3 limit
+  shift 3
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(left) s left)"
-  timeout "$(left)" "$@" 2>&1 | grep -v "incorrect regex pattern"
+  limit=$(left)
+  if [ "$cap" -gt 0 ] && [ "$cap" -lt "$limit" ]; then limit=$cap; fi
+  echo "== $name ($(left) s left, limit $limit s)"
+  timeout "$limit" "$@" 2>&1 | grep -v "incorrect regex pattern"
 }
 model=${MODEL:-/tmp/r35}
 [ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
-step 150 "cuda tests" python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider --ignore=tests/test_notebooks.py
+step 150 220 "cuda tests" python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider --ignore=tests/test_notebooks.py
 wait
-step 60 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
-  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab.json"
-step 60 "prefill, opt-in paths on" env LILY_MLX_ENABLE=deltanet_chunk,dense_dequant_gemm,dequant python3 -m bench.profile_prefill \
-  --model "$model" --tokens 2048 --json "$out/prefill_chunk.json"
-step 120 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
+step 90 160 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
   --requests-per-client 2 --max-tokens 64 --json "$out/serve.json"
-step 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 256 4096 -g 128 -n 3 --arms stock,lily --no-progress \
-  --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
+step 60 100 "prefill, opt-in paths flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
+  --ab-switch deltanet_chunk dense_dequant_gemm dequant --json "$out/prefill.json"
+step 120 $(( $(left) - 60 )) "A/B matrix" python3 -m bench.ab --model "$model" -p 256 4096 -g 256 -n 3 --arms stock,lily \
+  --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
+step 40 0 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
+  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
