@@ -22,6 +22,7 @@ import os
 import platform
 import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,6 +116,14 @@ def _child_env(arm: str) -> dict[str, str]:
     env.update(arm_mod.arm_env(arm))
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
     return env
+
+
+class Stopped(Exception):
+    """SIGTERM arrived: report the finished rows and kill the arm processes."""
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped()
 
 
 class Worker:
@@ -259,6 +268,7 @@ def run_matrix(args, arms: list[str], model: Path, traffic) -> tuple[list[dict],
         bar.update()
         return out
 
+    stopped = False
     try:
         if args.isolation == "arm":
             for a in arms:
@@ -287,12 +297,15 @@ def run_matrix(args, arms: list[str], model: Path, traffic) -> tuple[list[dict],
             tqdm.write(f"p={p} g={g} b={b} [{row['status']}] " + "; ".join(
                 f"{a} prefill {e['median']['prefill_tps']:.1f} decode {e['median']['decode_tps']:.1f} tok/s"
                 for a, e in row["arms"].items()), file=sys.stderr)
+    except Stopped:
+        stopped = True  # keep the finished rows; the unfinished one is dropped, never reported half-measured
+        tqdm.write(f"stopped by SIGTERM after {len(results)} of {len(rows)} rows", file=sys.stderr)
     finally:
         bar.close()
         for w in workers.values():
-            w.close()
+            w.close(kill=stopped)
     shutil.rmtree(log_dir, ignore_errors=True)
-    return results, infos
+    return results, infos, stopped
 
 
 def hardware(infos: dict) -> dict:
@@ -363,6 +376,8 @@ def markdown(report: dict) -> str:
                 f"{m['ttft_s']:.3f} | {m['decode_tps']:.1f} | {m['peak_memory_gb']:.3g} | {bw} | {v['decode']:.2f} | "
                 f"{v['prefill']:.2f} | {row['status']} |"
             )
+    if report.get("stopped"):
+        lines += ["", "Stopped by SIGTERM (a time limit) before the remaining rows of the matrix."]
     refused = [r for r in report["rows"] if r["status"] != "ok"]
     if refused:
         lines += ["", "Refused rows:"]
@@ -446,7 +461,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         traffic = DecodeTraffic(model)
         started = time.time()
-        rows, infos = run_matrix(args, arms, model, traffic)
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)  # a time limit's SIGTERM keeps the rows so far
+        try:
+            rows, infos, stopped = run_matrix(args, arms, model, traffic)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except (BenchError, arm_mod.ArmError, random_model.SpecError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -454,7 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {
         "schema": SCHEMA,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "ok": all(r["status"] == "ok" for r in rows),
+        "ok": all(r["status"] == "ok" for r in rows) and not stopped,
+        "stopped": stopped,
         "hardware": hardware(infos),
         "versions": versions(),
         "git": git_info(),

@@ -165,6 +165,36 @@ def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
     assert report["settings"]["perturbation"] == "stock:1:1000"
 
 
+def test_bench_sigterm_keeps_the_finished_rows(tmp_path, tiny_bf16):
+    # A time limit (timeout, a lease ending) sends SIGTERM: the report keeps the rows already measured and the
+    # arm processes die with the bench instead of running on.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", f"{bench.__name__}.ab", "--model", "random:tiny", "--model-dir", str(tiny_bf16),
+           "-p", "16", "17", "18", "19", "20", "21", "-g", "64", "-n", "2", "--arms", "stock", "--max-drift", "100",
+           "--no-progress", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(ab.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:
+        if line.startswith("p=16 "):
+            break
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1, rest
+    assert time.time() - t0 < 30
+    report = json.loads(out.read_text())
+    assert report["stopped"] and not report["ok"]
+    assert 1 <= len(report["rows"]) < 6 and report["rows"][0]["prompt_tokens"] == 16
+    assert all(len(e["rounds"]) == 2 for r in report["rows"] for e in r["arms"].values())
+
+
 def test_bench_digest_divergence_names_the_step():
     base = {"prefill_tps": 10.0, "ttft_s": 1.0, "decode_tps": 5.0, "peak_memory_gb": 1.0, "distinct_tokens": 3, "reported": {}}
     a = [{**base, "tokens": [[1, 2, 3]], "digest": "x"}] * 2
