@@ -26,14 +26,16 @@ LILY_INLINE float lily_qdot16(uint4 q, const LILY_THREAD float* xr) {
 template <int F4C>
 LILY_INLINE int lily_swizzle(int chunk) { return F4C >= 8 ? (chunk & 7) : ((chunk >> 1) & 3); }
 
-// rinv[m] = rsqrt(mean(x[m, :K]^2) + eps) for the M rows of x, every thread of a block of WARPS warps
-// taking part; red is shared scratch of M * WARPS floats. Ends with a barrier (red may be reused after).
+// rinv[m] = rsqrt(mean(x[m, :K]^2) + eps) for the first mrows <= M rows of x (rows past them read nothing),
+// every thread of a block of WARPS warps taking part; red is shared scratch of M * WARPS floats. Ends with
+// a barrier (red may be reused after).
 template <int M, int K, int WARPS, typename TX>
-LILY_INLINE void lily_row_rsqrt_ms(TX x, float eps, LILY_TG_PTR float* red, LILY_THREAD float* rinv, int tid) {
+LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float* red, LILY_THREAD float* rinv,
+                                   int tid) {
   LILY_UNROLL
   for (int m = 0; m < M; ++m) {
     float ss = 0.0f;
-    for (int k = tid; k < K; k += 32 * WARPS) {
+    for (int k = tid; m < mrows && k < K; k += 32 * WARPS) {
       const float v = lily_float(x[m * K + k]);
       ss = LILY_FMA(v, v, ss);
     }

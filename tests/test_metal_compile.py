@@ -52,10 +52,12 @@ def test_metal_signature_matches_mlx_format():
                     "_bfloat16_tc_bfloat16_tc_bfloat16_t")  # the unread 1-element nw and res are constant
     assert ("template <typename T, typename TN, int BITS, int GS, int M, int K, int LANES, int RPS, int WARPS, bool NORM, "
             "bool RES, int EPS_BITS>\n[[kernel]] void ") in src
-    assert "  const device bfloat16_t* x [[buffer(0)]],\n  const device uint32_t* w [[buffer(1)]],\n" in src
-    assert "  const constant int* w_shape [[buffer(2)]],\n" in src  # the body reads N from w_shape
-    assert "  const constant bfloat16_t* nw [[buffer(5)]],\n" in src
-    assert "  device bfloat16_t* y [[buffer(7)]],\n" in src
+    # The body reads its row count from x_shape and x_ndim, and N from w_shape.
+    assert ("  const device bfloat16_t* x [[buffer(0)]],\n  const constant int* x_shape [[buffer(1)]],\n"
+            "  const constant int& x_ndim [[buffer(2)]],\n  const device uint32_t* w [[buffer(3)]],\n"
+            "  const constant int* w_shape [[buffer(4)]],\n") in src
+    assert "  const constant bfloat16_t* nw [[buffer(7)]],\n" in src
+    assert "  device bfloat16_t* y [[buffer(9)]],\n" in src
     assert "  uint thread_index_in_simdgroup [[thread_index_in_simdgroup]],\n" in src
     assert "thread_position_in_grid [[" not in src  # attributes appear only when the body names them
     targs = "bfloat16_t, bfloat16_t, 4, 64, 1, 2048, 32, 4, 8, 0, 0, 0"
@@ -122,6 +124,8 @@ EMULATED = [
     (1, 2048, 37, 4, 64, mx.bfloat16, "norm"),
     (8, 1024, 19, 4, 128, mx.float32, "norm"),
     (3, 256, 70, 8, 32, mx.bfloat16, "residual"),
+    (3, 1024, 19, 4, 128, mx.float32, "norm"),  # rows past M in the bucket's build: no read, no write
+    (7, 256, 33, 4, 64, mx.bfloat16, "residual"),
 ]
 
 
@@ -144,9 +148,11 @@ def test_qmv_metal_emulated_matches_reference(tmp_path):
     emu, expected = Emulator(tmp_path), []
     for c, (M, K, N, bits, gs, dt, fusion) in enumerate(EMULATED):
         x, w, scales, biases, norm, res, ref = _qmv_case(M, K, N, bits, gs, dt, fusion, mx.random.key(c))
-        inst = qmv.instance(dt, scales.dtype, M, K, N, bits, gs, None if norm is None else norm.dtype,
+        # Built for M's bucket, as the dispatcher builds it: the kernel reads the M actual rows from x_shape.
+        Mb = kernels.row_bucket(M)
+        inst = qmv.instance(dt, scales.dtype, Mb, K, N, bits, gs, None if norm is None else norm.dtype,
                             res is not None, 1e-6)
-        p = qmv.plan(M, K, N, bits)
+        p = qmv.plan(Mb, K, N, bits)
         threads = 32 * p["WARPS"]
         arrays = [x, w, scales, biases, kernels.placeholder(dt) if norm is None else norm,
                   kernels.placeholder(dt) if res is None else res]

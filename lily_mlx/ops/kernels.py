@@ -61,6 +61,12 @@ def read_source(filename: str) -> str:
     return compact(path.read_text())
 
 
+def row_bucket(rows: int) -> int:
+    """The power of two >= rows that a decode kernel is built for: it reads its row count at run time, so
+    batches of 3 and 4 rows share one JIT build (each build is a multi-second NVRTC compile on a fresh machine)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Instance:
     """One concrete call of a kernel: what MLX needs to write its full source."""

@@ -29,9 +29,9 @@ INDEX_DTYPES = (mx.int32, mx.uint32)  # moe_route's argpartition gives uint32
 STAGE_BUDGET = 6144  # floats one block stages in shared memory (24 KB, under Metal's 32 KB)
 MAX_INFLIGHT = 32  # 16-byte weight chunks a lane holds before computing (registers)
 MIN_BLOCKS = 256  # fewer jobs than this: shrink the blocks so the GPU fills
-GATE_UP_PARAMS = ("T", "TN", "BITS", "GS", "H", "I", "IS", "K", "M", "E", "LS", "NORMTOPK", "NORM", "EPS_BITS",
+GATE_UP_PARAMS = ("T", "TN", "BITS", "GS", "H", "I", "IS", "K", "E", "LS", "NORMTOPK", "NORM", "EPS_BITS",
                   "LANES", "RPS", "WARPS")
-DOWN_PARAMS = ("T", "BITS", "GS", "H", "I", "IS", "K", "M", "E", "LS", "LANES", "RPS", "WARPS")
+DOWN_PARAMS = ("T", "BITS", "GS", "H", "I", "IS", "K", "E", "LS", "LANES", "RPS", "WARPS")
 
 
 def _lanes(*chunks: int) -> int:
@@ -58,12 +58,13 @@ def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Option
     lanes = _lanes(chunks)
     cpl, sub = chunks // lanes, 32 // lanes
 
-    def blocks(r, w):
+    def blocks(r, w, m=M):
         rb = w * sub * r
-        return M * K * -(-I // rb) + M * -(-IS // rb)
+        return m * K * -(-I // rb) + m * -(-IS // rb)
 
-    if rps is None or warps is None:
-        rps, warps = _shrink(blocks, max(1, min(4, 4 // cpl)), 8)  # <= 8 chunks of gate + up in flight per lane
+    if rps is None or warps is None:  # <= 8 chunks of gate + up in flight per lane
+        # Sized for M's bucket, so all token counts of a bucket share one build (the grid follows M itself).
+        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 4 // cpl)), 8)
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps)}
 
 
@@ -75,11 +76,11 @@ def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[
     per_row = K * (ci // lanes) + cs // lanes  # chunks in flight per lane per output row
     sub = 32 // lanes
 
-    def blocks(r, w):
-        return M * -(-H // (w * sub * r))
+    def blocks(r, w, m=M):
+        return m * -(-H // (w * sub * r))
 
     if rps is None or warps is None:
-        rps, warps = _shrink(blocks, max(1, min(4, 16 // per_row)), 8)
+        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)), 8)
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps), "inflight": per_row * rps}
 
 
@@ -173,7 +174,7 @@ def gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, 
     LS = LS or E + 1
     nd = norm_dtype or x_dtype
     template = (("T", x_dtype), ("TN", nd), ("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS),
-                ("K", K), ("M", M), ("E", E), ("LS", LS), ("NORMTOPK", bool(normalize)),
+                ("K", K), ("E", E), ("LS", LS), ("NORMTOPK", bool(normalize)),
                 ("NORM", norm_dtype is not None), ("EPS_BITS", kernels.float_bits(eps) if norm_dtype is not None else 0),
                 ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
     w, s = (mx.uint32, (E, I, H * bits // 32)), (scale_dtype, (E, I, H // group_size))
@@ -188,7 +189,7 @@ def down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, *, 
     p = plan or plan_down(M, K, H, I, IS, bits)
     LS = LS or E + 1
     template = (("T", x_dtype), ("BITS", bits), ("GS", group_size), ("H", H), ("I", I), ("IS", IS), ("K", K),
-                ("M", M), ("E", E), ("LS", LS), ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
+                ("E", E), ("LS", LS), ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]))
     inputs = ((h_dtype, (M, K, I)), (h_dtype, (M, IS)), (inds_dtype, (M, K)), (mx.float32, (M, K)),
               (logits_dtype or x_dtype, (M, LS)), (mx.uint32, (E, H, I * bits // 32)),
               (scale_dtype, (E, H, I // group_size)), (scale_dtype, (E, H, I // group_size)),

@@ -111,7 +111,7 @@ def _launch(x, w, scales, biases, group_size: int, bits: int, norm, residual):
     launch = None
     if unsupported(x, w, scales, biases, group_size, bits, norm, residual) is None:
         K, N = x.shape[-1], w.shape[0]
-        M = x.size // K
+        M = kernels.row_bucket(x.size // K)  # the build's rows; the kernel reads the actual count from x_shape
         p = plan(M, K, N, bits)
         threads = 32 * p["WARPS"]
         inst = instance(x.dtype, scales.dtype, M, K, N, bits, group_size, None if norm is None else norm[0].dtype,
