@@ -175,7 +175,9 @@ def main(argv=None) -> int:
             else:
                 model = args.model
             bar = args.bar_token if args.bar_token is not None else _eos_ids(Path(model))
+            t0 = time.monotonic()
             proc, url = _start_server(model, max(levels), args.server_arg)
+            print(f"server ready in {time.monotonic() - t0:.1f} s (load and kernel warm-up)", flush=True)
         rows, offset = [], 0
         for c in levels:
             run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset)  # warm-up
@@ -184,13 +186,14 @@ def main(argv=None) -> int:
             offset += c * args.requests_per_client
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.json:  # after every level, so a run cut short keeps the levels it finished
+                Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
+                                                       "levels": rows}, indent=2))
         print("\n| clients | requests/s | decode tok/s (aggregate) | per-sequence tok/s (p50) | TTFT p50 (s) | latency p50 (s) | errors |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['concurrency']} | {r['requests_per_s']} | {r['decode_tok_per_s']} | {r['per_sequence_tok_per_s_p50']} "
                   f"| {r['ttft_p50_s']} | {r['latency_p50_s']} | {r['errors']} |")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "levels": rows}, indent=2))
         return 0 if all(r["errors"] == 0 for r in rows) else 1
     finally:
         if proc is not None:

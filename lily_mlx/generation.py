@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decode import STEP, CompiledDecoder
+from .memory import bounded_prefill
 
 __all__ = [
     "BatchGenerator", "BatchResponse", "GenerationResponse", "batch_generate", "generate",
@@ -112,20 +113,21 @@ def generate_step(
     with mx.stream(stream):
         done = 0
         progress(done, n_prompt)
-        while n_prompt - done > 1:
-            n = min(prefill_step_size, n_prompt - done - 1)
-            chunk_embeddings = input_embeddings[:n] if input_embeddings is not None else None
-            forward(prompt[:n], chunk_embeddings)
-            quantize_cache(cache)
-            mx.eval([c.state for c in cache])
-            if logits_processors and n > 0:
-                history = prompt[:n] if history is None else mx.concat([history, prompt[:n]])
-            done += n
-            progress(done, n_prompt)
-            prompt = prompt[n:]
-            if input_embeddings is not None:
-                input_embeddings = input_embeddings[n:]
-            mx.clear_cache()
+        with bounded_prefill():  # not across the yields below: the caller's code runs between them
+            while n_prompt - done > 1:
+                n = min(prefill_step_size, n_prompt - done - 1)
+                chunk_embeddings = input_embeddings[:n] if input_embeddings is not None else None
+                forward(prompt[:n], chunk_embeddings)
+                quantize_cache(cache)
+                mx.eval([c.state for c in cache])
+                if logits_processors and n > 0:
+                    history = prompt[:n] if history is None else mx.concat([history, prompt[:n]])
+                done += n
+                progress(done, n_prompt)
+                prompt = prompt[n:]
+                if input_embeddings is not None:
+                    input_embeddings = input_embeddings[n:]
+                mx.clear_cache()
 
         y, logprobs = step(prompt, input_embeddings)
         if prompt.ndim == 1 and kv_bits is None and CompiledDecoder.applicable(model, cache):

@@ -199,3 +199,23 @@ def test_importing_the_cli_module_keeps_generate_the_function():
 
     assert callable(lily_mlx.generate) and lily_mlx.generate.__name__ == "generate"
     assert lily_mlx.generate is lily_mlx.generation.generate
+
+
+def test_bounded_prefill_caps_the_memory_limit_and_restores_it():
+    from lily_mlx.memory import bounded_prefill
+
+    before = mx.get_memory_limit()
+    keep = mx.ones((1 << 18,))  # some active memory, so the cap sits above zero
+    mx.eval(keep)
+    with bounded_prefill(headroom=1 << 20):
+        inside = mx.get_memory_limit()
+        assert mx.get_active_memory() < inside <= mx.get_active_memory() + (1 << 20)
+        y = mx.sum(mx.ones((1 << 20,)) * keep.sum())  # work past the cap still runs (the cap only throttles)
+        assert y.item() == float(1 << 20) * (1 << 18)
+    assert mx.get_memory_limit() == before
+    with pytest.raises(RuntimeError):
+        with bounded_prefill(headroom=1 << 20):
+            raise RuntimeError("restored on errors too")
+    assert mx.get_memory_limit() == before
+    with bounded_prefill(headroom=1 << 62):  # never raised above the limit already set
+        assert mx.get_memory_limit() == before

@@ -84,10 +84,11 @@ def test_qmv_cuda_source_files_and_inline_agree():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16])
 def test_many_rows_dense_dequant_gemm_cuda(dt):
-    """dense_dequant_gemm (opt-in) at prefill rows: dequantize + dense GEMM against the float32 oracle and MLX's
+    """dense_dequant_gemm at prefill rows: dequantize + dense GEMM against the float32 oracle and MLX's
     quantized matmul, norm and residual variants included."""
-    x, w, s, b = _inputs(ops.DENSE_DEQUANT_MIN_ROWS + 3, 2048, 1000, 4, 64, dt, 5)
-    res = mx.random.normal((x.shape[0], 1000), key=mx.random.key(6)).astype(dt)
+    N = -(-ops.DENSE_DEQUANT_MIN_WEIGHTS // 2048) + 5  # just past the weight-size threshold, odd
+    x, w, s, b = _inputs(ops.DENSE_DEQUANT_MIN_ROWS + 3, 2048, N, 4, 64, dt, 5)
+    res = mx.random.normal((x.shape[0], N), key=mx.random.key(6)).astype(dt)
     nw = (1 + 0.2 * mx.random.normal((2048,), key=mx.random.key(7))).astype(dt)
     kw = dict(group_size=64, bits=4)
     runs = {}

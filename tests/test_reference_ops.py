@@ -223,8 +223,9 @@ def test_gather_matmul_takes_the_dequantized_gemm_only_on_cuda_past_the_threshol
 
 
 def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
-    """ops.quantized_matmul / norm_ / _add past DENSE_DEQUANT_MIN_ROWS on CUDA with dense_dequant_gemm on:
-    dequantize + dense GEMM, equal to MLX's quantized matmul (float32); fewer rows, off, or not CUDA: MLX's."""
+    """ops.quantized_matmul / norm_ / _add past DENSE_DEQUANT_MIN_ROWS and _MIN_WEIGHTS on CUDA with
+    dense_dequant_gemm on: dequantize + dense GEMM, equal to MLX's quantized matmul (float32); fewer rows, a
+    smaller weight, off, or not CUDA: MLX's."""
     from lily_mlx import ops
 
     N, K, rows = 40, 96, 7
@@ -237,6 +238,7 @@ def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
     real = mx.dequantize
     monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_ROWS", rows)
+    monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", N * K)
     for backend, on, taken in [("cuda", True, 1), ("cuda", False, 0), ("metal", True, 0), ("cpu", True, 0)]:
         monkeypatch.setattr(ops, "backend", lambda: backend)
         calls.clear()
@@ -251,6 +253,8 @@ def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
     calls.clear()
     with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", True):
         ops.quantized_matmul(x[:, :rows - 1], q, s, b, **kw)
+        monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", N * K + 1)
+        ops.quantized_matmul(x, q, s, b, **kw)
     assert not calls
 
 

@@ -787,3 +787,44 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir):
         eager, seen_off = run()
     assert seen and not seen_off
     assert compiled == eager
+
+
+def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
+    """--warmup (the CLI's default) decodes a batch of each kernel row bucket up to --max-batch before the engine
+    says ready, and leaves nothing behind: a request after it decodes as it does without."""
+    import logging
+
+    import lily_mlx
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    rows, call = [], type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda self, x, *a, **k: (rows.append(x.shape[0]), call(self, x, *a, **k))[1])
+
+    def run(warmup, max_batch):
+        rows.clear()
+        engine = Engine(lambda: (model, tok), max_batch=max_batch, warmup=warmup).start()
+        try:
+            assert engine.ready.wait(60)
+            warm = sorted(set(rows))
+            events = []
+            req = Request([tok.encode("Warm kernels and")], [[]], [12], SamplingParams(temperature=0),
+                          [ChoiceOutput(tok, [], chat=False)], events.extend, 60)
+            engine.submit(req)
+            deadline = time.monotonic() + 60
+            while not req.finished:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            engine.stop()
+        return warm, "".join(str(e[2]) for e in events if e[0] == "delta")
+
+    with caplog.at_level(logging.INFO, logger="lily_mlx.server"):
+        warm3, text3 = run(True, 3)
+        warm32, _ = run(True, 32)
+    assert warm3 == [1, 2, 3] and warm32 == [1, 2, 4, 8]  # 3 rows run the 4-row build; past 8 no kernel applies
+    assert any("warm-up: decode steps of 1 to 3 rows" in r.getMessage() for r in caplog.records)
+    cold, text = run(False, 3)
+    assert cold == [] and text3 == text and text

@@ -94,11 +94,12 @@ def _try(name: str, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-# Rows from which a dense quantized projection may run as dequantize + a dense GEMM (opt-in until timed on a
-# GPU against MLX's quantized matmul: bench/profile_prefill.py prints both).
+# Rows and weight elements from which a dense quantized projection runs as dequantize + a dense bf16 GEMM on
+# CUDA. H200, 2048 rows (bench/profile_prefill.py): DeltaNet in_proj 0.96 -> 0.50 ms, o_proj 0.49 -> 0.19 ms,
+# but the shared expert's 1-2M-element weights 0.27 -> 0.35 ms (the dequantize dominates there).
 DENSE_DEQUANT_MIN_ROWS = 512
-register_switch("dense_dequant_gemm", "prefill projections: dequantize the weight, then a dense GEMM (CUDA)",
-                default_on=False)
+DENSE_DEQUANT_MIN_WEIGHTS = 4 << 20
+register_switch("dense_dequant_gemm", "prefill projections: dequantize the weight, then a dense GEMM (CUDA)")
 
 
 def dequantize(w, scales, biases, *, group_size: int, bits: int, dtype) -> mx.array:
@@ -111,9 +112,11 @@ def dequantize(w, scales, biases, *, group_size: int, bits: int, dtype) -> mx.ar
 
 
 def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
-    """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows (switch on), the
-    weight dequantized to x's dtype and a dense GEMM on the tensor cores; else MLX's quantized matmul."""
-    if x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and backend() == "cuda" and enabled("dense_dequant_gemm"):
+    """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows and
+    DENSE_DEQUANT_MIN_WEIGHTS weight elements, the weight dequantized to x's dtype and a dense GEMM on the tensor
+    cores; else MLX's quantized matmul."""
+    if (x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and w.shape[0] * x.shape[-1] >= DENSE_DEQUANT_MIN_WEIGHTS
+            and backend() == "cuda" and enabled("dense_dequant_gemm")):
         return x @ dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype).T  # [..., N]
     return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
@@ -146,9 +149,8 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-# Opt-in: correct on the H200 (cuda tests), but its decode-step effect is not yet measured cleanly (BENCHMARKS.md).
-register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
-                default_on=False)
+# H200, 35B decode step at context 256, alternating in one process: 4.12 ms on vs 4.50 ms off (BENCHMARKS.md).
+register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch")
 
 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
@@ -311,3 +313,6 @@ from . import deltanet_step as _deltanet_step  # noqa: E402,F401
 from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
+
+# Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
+DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

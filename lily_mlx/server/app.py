@@ -62,6 +62,7 @@ class ServerConfig:
     read_timeout: float = 30.0
     drain_timeout: float = 30.0
     prefill_step: int = 512
+    warmup: bool = True  # build the decode kernels for every batch size before ready
     prefix_cache_bytes: int = 2 << 30
     chat_template_args: dict = field(default_factory=dict)
 

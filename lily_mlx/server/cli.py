@@ -52,6 +52,8 @@ def build_parser(prog: str = "lily-mlx serve") -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds a request may run (default 600)")
     p.add_argument("--read-timeout", type=_positive(float), default=30.0, help="seconds to receive a request body (default 30)")
     p.add_argument("--drain-timeout", type=_positive(float), default=30.0, help="seconds SIGTERM waits for open requests (default 30)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip building the decode kernels for every batch size before /health says ready")
     p.add_argument("--prefill-step", type=_positive(int), default=512, help="prompt tokens per prefill chunk (default 512)")
     p.add_argument("--prefix-cache-bytes", type=_size, default=2 << 30, help="prefix cache size, 0 disables (default 2G)")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help='JSON for apply_chat_template, e.g. \'{"enable_thinking": false}\'')
@@ -77,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit, max_context=args.max_context, request_timeout=args.request_timeout,
         read_timeout=args.read_timeout, drain_timeout=args.drain_timeout, prefill_step=args.prefill_step,
-        prefix_cache_bytes=args.prefix_cache_bytes, chat_template_args=args.chat_template_args,
+        prefix_cache_bytes=args.prefix_cache_bytes, chat_template_args=args.chat_template_args, warmup=args.warmup,
     )
     metrics = Metrics()
     exit_code = {"code": 0}
@@ -97,7 +99,8 @@ def serve(args: argparse.Namespace) -> int:
         backstop.start()
 
     engine = Engine(lambda: load(cfg.model), max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_step=cfg.prefill_step,
-                    prefix_cache=PrefixCache(cfg.prefix_cache_bytes), metrics=metrics, on_death=on_death)
+                    prefix_cache=PrefixCache(cfg.prefix_cache_bytes), metrics=metrics, on_death=on_death,
+                    warmup=cfg.warmup)
     state = Server(cfg, engine, metrics)
     app = create_app(state)
 

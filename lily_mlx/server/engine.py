@@ -35,6 +35,9 @@ from mlx_lm.sample_utils import (
 )
 
 from ..decode import CompiledBatchDecoder, CompiledDecoder
+from ..memory import bounded_prefill
+from ..ops import DECODE_KERNEL_ROWS
+from ..ops.kernels import row_bucket
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
 from .prefix_cache import PrefixCache, restore, snapshot
@@ -166,7 +169,8 @@ def make_processors(p: SamplingParams, max_new: int) -> list[tuple[Callable, Opt
 class Engine:
     def __init__(self, loader: Callable[[], tuple[Any, Any]], *, max_batch: int = 32, max_queue: int = 64,
                  prefill_step: int = 512, prefix_cache: Optional[PrefixCache] = None,
-                 metrics: Optional[Metrics] = None, on_death: Optional[Callable[[BaseException], None]] = None):
+                 metrics: Optional[Metrics] = None, on_death: Optional[Callable[[BaseException], None]] = None,
+                 warmup: bool = False):
         if max_batch < 1 or max_queue < 0 or prefill_step < 1:
             raise ValueError(f"max_batch={max_batch}, max_queue={max_queue}, prefill_step={prefill_step}: out of range")
         self.loader = loader
@@ -174,6 +178,7 @@ class Engine:
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.metrics = metrics or Metrics()
         self.on_death = on_death
+        self.warmup = warmup
         self.model = self.tokenizer = None
         self.vocab_size = 0
         self.ready = threading.Event()
@@ -241,6 +246,8 @@ class Engine:
             cfg = getattr(self.model, "config", None)
             self.vocab_size = getattr(cfg, "vocab_size", None) or len(self.tokenizer)
             self.eos = set(self.tokenizer.eos_token_ids)
+            if self.warmup:
+                self._warm_up()
             self.ready.set()
             log.info("model ready (vocab %d)", self.vocab_size)
             while self._iteration():
@@ -253,6 +260,21 @@ class Engine:
             self._abort_all(Unavailable(f"the engine stopped after an internal error ({type(e).__name__})", code="engine_dead"))
             if self.on_death is not None:
                 self.on_death(e)
+
+    def _warm_up(self) -> None:
+        """Runs the decode step of every kernel row bucket up to --max-batch once, as the loop will run it, so the
+        GPU kernels' JIT builds (seconds each on a machine without MLX's kernel cache) happen before /health
+        says ready, not inside the first requests."""
+        t0 = time.monotonic()
+        top = min(self.max_batch, DECODE_KERNEL_ROWS)
+        for b in sorted({min(row_bucket(n), top) for n in range(1, top + 1)}):  # one batch per kernel build
+            cache = self.model.make_cache()
+            self.model(mx.zeros((1, 1), mx.int32), cache=cache)
+            if b == 1 and CompiledDecoder.applicable(self.model, cache):
+                mx.eval(CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32)))
+            rows = [BatchKVCache.merge([c] * b) if isinstance(c, KVCache) else ArraysCache.merge([c] * b) for c in cache]
+            mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=rows))
+        log.info("warm-up: decode steps of 1 to %d rows built in %.1f s", top, time.monotonic() - t0)
 
     def _iteration(self) -> bool:
         with self._cv:
@@ -356,8 +378,9 @@ class Engine:
         end = len(job.tokens) - 1  # the last prompt token is the first decode input
         target = min([end, (job.pos // self.prefill_step + 1) * self.prefill_step] + [s for s in job.snaps if s > job.pos])
         try:
-            self.model(mx.array(job.tokens[job.pos:target])[None], cache=job.cache)
-            mx.eval([c.state for c in job.cache])
+            with bounded_prefill():
+                self.model(mx.array(job.tokens[job.pos:target])[None], cache=job.cache)
+                mx.eval([c.state for c in job.cache])
             job.pos = target
             if target in job.snaps and not self.prefix_cache.contains(job.tokens, target):
                 self.prefix_cache.insert(job.tokens, target, snapshot(job.cache, target))
