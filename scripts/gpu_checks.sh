@@ -23,14 +23,12 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
 }
 model=${MODEL:-/tmp/r35}
 [ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
-step 150 220 "cuda tests" python3 -m pytest -q -m cuda -n 8 -p no:cacheprovider --ignore=tests/test_notebooks.py
+step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
 wait
-step 90 160 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
+step 90 170 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
   --requests-per-client 2 --max-tokens 64 --json "$out/serve.json"
-step 60 100 "prefill, opt-in paths flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
-  --ab-switch deltanet_chunk dense_dequant_gemm dequant --json "$out/prefill.json"
-step 120 $(( $(left) - 60 )) "A/B matrix" python3 -m bench.ab --model "$model" -p 256 4096 -g 256 -n 3 --arms stock,lily \
+step 100 140 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
-step 40 0 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
-  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab.json"
+step 40 0 "prefill by length, deltanet_chunk flipped" python3 -m bench.profile_prefill --model "$model" \
+  --tokens 512 2048 8192 16384 65536 --whole-only --ab-switch deltanet_chunk --json "$out/prefill.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
