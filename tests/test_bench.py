@@ -185,6 +185,8 @@ def test_bench_sigterm_keeps_the_finished_rows(tmp_path, tiny_bf16):
         if line.startswith("p=16 "):
             break
     proc.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # as timeout(1) does: the bench, then its process group
     t0 = time.time()
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 1, rest

@@ -201,21 +201,34 @@ def test_importing_the_cli_module_keeps_generate_the_function():
     assert lily_mlx.generate is lily_mlx.generation.generate
 
 
-def test_bounded_prefill_caps_the_memory_limit_and_restores_it():
+def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
+    from lily_mlx import memory
     from lily_mlx.memory import bounded_prefill
 
     before = mx.get_memory_limit()
     keep = mx.ones((1 << 18,))  # some active memory, so the cap sits above zero
     mx.eval(keep)
-    with bounded_prefill(headroom=1 << 20):
-        inside = mx.get_memory_limit()
-        assert mx.get_active_memory() < inside <= mx.get_active_memory() + (1 << 20)
-        y = mx.sum(mx.ones((1 << 20,)) * keep.sum())  # work past the cap still runs (the cap only throttles)
-        assert y.item() == float(1 << 20) * (1 << 18)
-    assert mx.get_memory_limit() == before
+    monkeypatch.delenv(memory.HEADROOM_ENV, raising=False)
+    with bounded_prefill():  # opt-in: nothing set, nothing changes
+        assert mx.get_memory_limit() == before
+    for how in ("arg", "env"):
+        if how == "env":
+            monkeypatch.setenv(memory.HEADROOM_ENV, "1M")
+        with bounded_prefill(headroom=(1 << 20) if how == "arg" else None):
+            inside = mx.get_memory_limit()
+            assert mx.get_active_memory() < inside <= mx.get_active_memory() + (1 << 20), how
+            y = mx.sum(mx.ones((1 << 20,)) * keep.sum())  # work past the cap still runs (the cap only throttles)
+            assert y.item() == float(1 << 20) * (1 << 18)
+        assert mx.get_memory_limit() == before
     with pytest.raises(RuntimeError):
         with bounded_prefill(headroom=1 << 20):
             raise RuntimeError("restored on errors too")
     assert mx.get_memory_limit() == before
     with bounded_prefill(headroom=1 << 62):  # never raised above the limit already set
         assert mx.get_memory_limit() == before
+    assert memory.parse_size("2G") == 2 << 30 and memory.parse_size("512mb") == 512 << 20
+    for bad in ("lots", "-1G", "0"):
+        monkeypatch.setenv(memory.HEADROOM_ENV, bad)
+        with pytest.raises(ValueError, match=memory.HEADROOM_ENV):
+            with bounded_prefill():
+                pass
