@@ -23,6 +23,9 @@ from . import ops
 
 STEP = 256
 ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
+# Opt-in until its attn_decode change has run on a GPU (the emulator and the CPU path check it here).
+ops.register_switch("stacked_kv", "compiled decode: every attention layer's K/V in one buffer, written once a step",
+                    default_on=False)
 
 
 class _StaticKV:
@@ -31,8 +34,8 @@ class _StaticKV:
         self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
 
     def decode_view(self):
-        """(keys, values, offset [1]): the buffers ops.attention_decode reads before update_and_fetch."""
-        return self.keys, self.values, self.offset1
+        """(keys, values, offset [1], plane): the buffers ops.attention_decode reads before update_and_fetch."""
+        return self.keys, self.values, self.offset1, 0
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
         self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
@@ -42,6 +45,29 @@ class _StaticKV:
     def make_mask(self, N: int, **_) -> mx.array:
         pos = self.offset + mx.arange(N)[:, None]  # [N, 1]: each query's absolute position
         return mx.arange(self.keys.shape[2])[None, :] <= pos  # [N, capacity]
+
+
+class _StackedKV:
+    """Attention layer `plane`'s view of the stacked cache [P*B, Hkv, capacity, D]: the fused attention reads
+    its plane in place and hands its new row to `rows`, which the step writes for every layer at once (2
+    primitives per step instead of 2 per layer)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
+        self.keys, self.values, self.plane, self.offset, self.offset1, self.rows = keys, values, plane, offset, offset1, rows
+
+    def decode_view(self):
+        return self.keys, self.values, self.offset1, self.plane
+
+    def update_and_fetch(self, k: mx.array, v: mx.array):
+        self.rows.append((k, v))
+        B = k.shape[0]  # the generic (several-token) attention reads its plane with the new rows written
+        rows = slice(self.plane * B, (self.plane + 1) * B)
+        return (mx.slice_update(self.keys[rows], k.astype(self.keys.dtype), self.offset1, axes=(2,)),
+                mx.slice_update(self.values[rows], v.astype(self.values.dtype), self.offset1, axes=(2,)))
+
+    def make_mask(self, N: int, **_) -> mx.array:
+        pos = self.offset + mx.arange(N)[:, None]
+        return mx.arange(self.keys.shape[2])[None, :] <= pos
 
 
 class _StaticBatchKV:
@@ -101,8 +127,11 @@ class CompiledDecoder:
             c = cache[i]
             k, v = c.keys[..., : self.offset, :], c.values[..., : self.offset, :]
             self.kv.append((_pad_to(k, capacity), _pad_to(v, capacity)))
+        self.stacked = ops.enabled("stacked_kv") and len(self.kv) > 1
+        if self.stacked:  # [P*B, Hkv, capacity, D]: plane p holds attention layer p's B rows
+            self.kv = [(mx.concatenate([k for k, _ in self.kv]), mx.concatenate([v for _, v in self.kv]))]
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index)
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "stacked" if self.stacked else "single")
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -117,7 +146,8 @@ class CompiledDecoder:
 
     def _step(self, tokens, offset, *flat):
         """The uncompiled step (what is traced): logits [B, V], then every updated cache array."""
-        return _decode_step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
+        step = _stacked_step if self.stacked else _decode_step
+        return step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
@@ -129,7 +159,12 @@ class CompiledDecoder:
         return out[0]
 
     def write_back(self) -> None:
-        for (k, v), i in zip(self.kv, self.kv_index):
+        kv = self.kv
+        if self.stacked:
+            (keys, values), P = kv[0], len(self.kv_index)
+            B = keys.shape[0] // P
+            kv = [(keys[p * B:(p + 1) * B], values[p * B:(p + 1) * B]) for p in range(P)]
+        for (k, v), i in zip(kv, self.kv_index):
             c = self.cache[i]
             c.keys, c.values, c.offset = k, v, self.offset
         for (conv, state), i in zip(self.states, self.state_index):
@@ -155,7 +190,7 @@ class CompiledBatchDecoder:
         for i in self.kv_index:  # the rows live here until write_back: one copy of the K/V in memory, not two
             cache[i].keys = cache[i].values = None
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, batch=True)
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "batch")
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -200,45 +235,63 @@ def _unflatten(flat, n_kv: int, n_states: int) -> tuple[list, list]:
     return pairs[:n_kv], pairs[n_kv:]
 
 
-def _run_model(model, tokens, n_cache: int, kv_index, state_index, flat, make_kv) -> tuple[mx.array, list]:
-    """The model over shims of its cache (make_kv(keys, values) for the attention layers): the last
-    position's logits [B, V] and every updated cache array, in _flatten's order."""
-    kv, states = _unflatten(flat, len(kv_index), len(state_index))
+def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states) -> tuple[mx.array, list]:
+    """The model over shims of its cache (kv_shims for the attention layers, in kv_index order): the last
+    position's logits [B, V] and the updated DeltaNet (conv, state) pairs."""
     shims: List[Any] = [None] * n_cache
-    for i, (k, v) in zip(kv_index, kv):
-        shims[i] = make_kv(k, v)
+    for i, s in zip(kv_index, kv_shims):
+        shims[i] = s
     for i, (conv, state) in zip(state_index, states):
         shims[i] = _StaticState(conv, state)
     logits = model(tokens, cache=shims)[:, -1, :]
-    return logits, _flatten([(shims[i].keys, shims[i].values) for i in kv_index], [tuple(shims[i].cache) for i in state_index])
+    return logits, [tuple(shims[i].cache) for i in state_index]
 
 
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
                 offset, *flat):
-    make = lambda k, v: _StaticBatchKV(k, v, idx1, left_padding, offset)  # noqa: E731
-    logits, caches = _run_model(model, tokens, n_cache, kv_index, state_index, flat, make)
-    return (logits, offset + tokens.shape[1], *caches)
+    kv, states = _unflatten(flat, len(kv_index), len(state_index))
+    shims = [_StaticBatchKV(k, v, idx1, left_padding, offset) for k, v in kv]
+    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
+    return (logits, offset + tokens.shape[1], *_flatten([(s.keys, s.values) for s in shims], states))
 
 
 def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
     offset1 = offset.reshape(1)  # once per step, shared by every attention layer
-    logits, caches = _run_model(model, tokens, n_cache, kv_index, state_index, flat,
-                                lambda k, v: _StaticKV(k, v, offset, offset1))
-    return (logits, *caches)
+    kv, states = _unflatten(flat, len(kv_index), len(state_index))
+    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
+    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
+    return (logits, *_flatten([(s.keys, s.values) for s in shims], states))
+
+
+def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
+    """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
+    offset1 = offset.reshape(1)
+    ((keys, values),), states = _unflatten(flat, 1, len(state_index))
+    rows: list = []
+    shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
+    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
+    k_new = mx.concatenate([k for k, _ in rows]).astype(keys.dtype)  # [P*B, Hkv, T, D], layer order
+    v_new = mx.concatenate([v for _, v in rows]).astype(values.dtype)
+    keys = mx.slice_update(keys, k_new, offset1, axes=(2,))
+    values = mx.slice_update(values, v_new, offset1, axes=(2,))
+    return (logits, *_flatten([(keys, values)], states))
+
+
+_STEPS = {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
 _SHARED: dict[int, tuple[Any, dict]] = {}
 
 
-def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], batch: bool = False) -> Callable:
+def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], kind: str = "single") -> Callable:
     """One mx.compile'd step per model, cache layout, parameter arrays and kernel switches. A trace holds the
     parameters it saw as constants, so new weights (load_weights, update) or switches key a new trace."""
     from .ops import KERNEL_NAMES, enabled
 
     params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
     switches = tuple(enabled(n) for n in sorted(KERNEL_NAMES))
-    key = (batch, n_cache, tuple(kv_index), tuple(state_index), params, switches)
+    key = (kind, n_cache, tuple(kv_index), tuple(state_index), params, switches)
     ref, steps = _SHARED.get(id(model), (None, None))
     if ref is None or ref() is not model:
         steps = {}
@@ -248,7 +301,7 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
         for old in [k for k in steps if k[1:] != key[1:]]:  # the old trace's weights or switches are gone: free it
             del steps[old]
         # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
-        step = _batch_step if batch else _decode_step
+        step = _STEPS[kind]
         steps[key] = mx.compile(lambda *args: step(ref(), n_cache, kv_index, state_index, *args))
     return steps[key]
 

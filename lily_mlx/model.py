@@ -51,9 +51,10 @@ class Attention(nn.Module):
         proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
         kv = _decode_kv(cache, mask) if L == 1 else None
         if kv is not None:  # one token over a cache the fused decode attention reads in place
+            keys, values, offset, plane = kv
             out, k_new, v_new = ops.attention_decode(
-                proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, *kv, n_heads=Hq, n_kv_heads=Hkv,
-                rope_dims=self.rope_dims, rope_theta=self.rope_theta, scale=self.scale)
+                proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset, n_heads=Hq,
+                n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta, scale=self.scale, plane=plane)
             cache.update_and_fetch(k_new, v_new)
             return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
         q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
@@ -76,10 +77,10 @@ class Attention(nn.Module):
 
 
 def _decode_kv(cache, mask):
-    """(keys, values, offset [1] int32) of a cache that ops.attention_decode reads in place: mlx-lm's plain
-    KVCache already holding tokens (unmasked), or the compiled decoder's fixed-capacity cache; else None."""
+    """(keys, values, offset [1] int32, plane) of a cache that ops.attention_decode reads in place: mlx-lm's
+    plain KVCache already holding tokens (unmasked), or the compiled decoder's fixed-capacity cache; else None."""
     if type(cache) is KVCache and cache.keys is not None and mask is None:
-        return cache.keys, cache.values, mx.array([cache.offset], dtype=mx.int32)
+        return cache.keys, cache.values, mx.array([cache.offset], dtype=mx.int32), 0
     view = getattr(cache, "decode_view", None)
     return None if view is None else view()
 

@@ -26,16 +26,18 @@ TOL = {F32: 2e-5, BF16: 1.5e-2, F16: 3e-3}  # the output's rounding; bf16 also t
 
 
 class Case:
-    """B, Hq, Hkv, D, rope dims, cache capacity, offset (tokens already cached), dtype, splits (None: planned)."""
+    """B, Hq, Hkv, D, rope dims, cache capacity, offset (tokens already cached), dtype, splits (None: planned),
+    and the stacked cache's planes (the compiled decoder's stacked_kv layout) with the plane read."""
 
-    def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4):
+    def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4, planes=1, plane=0):
         self.B, self.Hq, self.Hkv, self.D, self.rope, self.cap, self.offset = B, Hq, Hkv, D, rope, cap, offset
-        self.dtype, self.theta = dtype, theta
+        self.dtype, self.theta, self.planes, self.plane = dtype, theta, planes, plane
         self.nsplit = nsplit or ad.splits(B, Hkv, cap)
 
     def __repr__(self):
         return (f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-rope{self.rope}-cap{self.cap}-off{self.offset}-"
-                f"{str(self.dtype).split('.')[-1]}-split{self.nsplit}")
+                f"{str(self.dtype).split('.')[-1]}-split{self.nsplit}"
+                + (f"-plane{self.plane}of{self.planes}" if self.planes > 1 else ""))
 
     def arrays(self, seed=0):
         k = mx.random.split(mx.random.key(seed), 5)
@@ -43,17 +45,21 @@ class Case:
         proj = (mx.random.normal((B, 1, Hq * 2 * D + 2 * Hkv * D), key=k[0]) * 2).astype(self.dtype)
         qn = (1 + 0.3 * mx.random.normal((D,), key=k[1])).astype(self.dtype)
         kn = (1 + 0.3 * mx.random.normal((D,), key=k[2])).astype(self.dtype)
-        keys = mx.random.normal((B, Hkv, self.cap, D), key=k[3]).astype(self.dtype)
-        values = mx.random.normal((B, Hkv, self.cap, D), key=k[4]).astype(self.dtype)
+        keys = mx.random.normal((self.planes * B, Hkv, self.cap, D), key=k[3]).astype(self.dtype)
+        values = mx.random.normal((self.planes * B, Hkv, self.cap, D), key=k[4]).astype(self.dtype)
         return proj, qn, kn, keys, values, mx.array([self.offset], dtype=mx.int32)
 
     def kw(self):
         return dict(n_heads=self.Hq, n_kv_heads=self.Hkv, rope_dims=self.rope, rope_theta=self.theta,
-                    scale=self.D**-0.5)
+                    scale=self.D**-0.5, plane=self.plane)
 
     def reference(self, args):
+        # The oracle reads the plane's rows as a separate cache, so a kernel reading another plane fails it.
+        B, p = self.B, self.plane
+        proj, qn, kn, keys, values, offset = args
         with mx.stream(mx.cpu):
-            out = reference.attention_decode(*args[:3], 1e-6, *args[3:], **self.kw())
+            out = reference.attention_decode(proj, qn, kn, 1e-6, keys[p * B:(p + 1) * B], values[p * B:(p + 1) * B],
+                                             offset, **dict(self.kw(), plane=0))
             mx.eval(out)
         return out
 
@@ -83,6 +89,8 @@ EMULATED = [
     Case(1, 3, 3, 96, 32, 70, 64, F16, nsplit=4),
     Case(1, 8, 1, 64, 16, 24, 24, BF16),
     Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5),  # 4 positions over 5 splits: one split is empty
+    Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, planes=3, plane=2),  # stacked planes, the last read
+    Case(1, 4, 2, 32, 8, 16, 5, F32, planes=4, plane=1),
 ]
 
 
@@ -99,7 +107,8 @@ def test_metal_emulated_matches_reference(tmp_path):
         B, Hq, ns, D = case.B, case.Hq, case.nsplit, case.D
         shapes = [(B, 1, Hq * D) if not split else (1,), (B, case.Hkv, 1, D), (B, case.Hkv, 1, D),
                   (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
-        emu.add(ad.SPEC, inst, list(args), (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
+        plane = mx.array([case.plane], dtype=mx.int32)
+        emu.add(ad.SPEC, inst, [*args, plane], (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
     first = emu.run()
     combine = Emulator(tmp_path / "b")
     (tmp_path / "b").mkdir()
@@ -173,9 +182,17 @@ def test_splits_and_unsupported():
             a[i] = value
         k = dict(case.kw(), **kw)
         return ad.unsupported(a[0], a[1], a[2], 1e-6, a[3], a[4], a[5], k["n_heads"], k["n_kv_heads"], k["rope_dims"],
-                              k["scale"])
+                              k["scale"], k["plane"])
 
     assert why() is None
+    assert "plane" in why(plane=1) and "plane" in why(plane=-1)  # one plane of one row
+    stacked = [mx.concatenate([args[i]] * 3) for i in (3, 4)]  # three planes of one row
+
+    def why_stacked(plane, proj=args[0]):
+        return ad.unsupported(proj, args[1], args[2], 1e-6, *stacked, args[5], 4, 2, 8, 0.1, plane)
+
+    assert why_stacked(2) is None and "plane 3" in why_stacked(3)
+    assert "not planes" in why_stacked(0, mx.concatenate([args[0]] * 2))  # 3 rows are not planes of 2
     assert "heads" in why(n_heads=5)
     assert "head_dim" in why(rope_dims=7)
     assert "proj" in why(0, args[0][..., 1:])
@@ -193,6 +210,7 @@ GPU_CASES = EMULATED + [
     Case(1, 16, 2, 256, 64, 300, 200, BF16, theta=1e7),
     Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7),  # split over 256 blocks per kv head
     Case(2, 16, 2, 256, 64, 1024, 1024, F32, theta=1e7),
+    Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7, planes=10, plane=7),  # the stacked 35B layout
 ]
 
 

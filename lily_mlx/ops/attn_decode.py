@@ -40,11 +40,13 @@ def splits(B: int, n_kv_heads: int, capacity: int) -> int:
 
 
 def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
-                scale) -> Optional[str]:
+                scale, plane: int = 0) -> Optional[str]:
     """Why the kernels do not apply to these arguments (None when they do)."""
     if keys.ndim != 4 or values.shape != keys.shape:
-        return "keys, values: [B, Hkv, capacity, D] of one shape expected"
-    B, Hkv, cap, D = keys.shape
+        return "keys, values: [P*B, Hkv, capacity, D] of one shape expected"
+    B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
+    if B < 1 or PB % B or not 0 <= plane < PB // B:
+        return f"keys: {PB} rows are not planes of the {B} rows of proj, or plane {plane} is not among them"
     Hq = n_heads
     if Hkv != n_kv_heads or Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return f"heads: {Hq} query heads over {Hkv} kv heads (at most {MAX_GROUP} per kv head)"
@@ -73,7 +75,8 @@ def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, 
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
                 ("TP", TP))
     kv = (cache_dtype, (B, Hkv, capacity, D))
-    inputs = ((dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)))
+    inputs = ((dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
+              (mx.int32, (1,)))
     return kernels.Instance(template, inputs, (dtype, cache_dtype, cache_dtype, mx.float32, mx.float32))
 
 
@@ -86,19 +89,29 @@ def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) 
 _LAUNCH: dict = {}
 
 
+_PLANES: dict = {}  # plane index -> its int32 [1] array, made once (a constant of the compiled step)
+
+
+def _plane_array(plane: int) -> mx.array:
+    a = _PLANES.get(plane)
+    if a is None:
+        a = _PLANES[plane] = mx.array([plane], dtype=mx.int32)
+    return a
+
+
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
-                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str,
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str, plane: int = 0,
                      init_value: Optional[float] = None):
     """(out [B, 1, Hq*D], k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, D]) or None when the kernels do not apply.
     See ops.attention_decode for the arguments."""
     key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
-           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale)
+           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane)
     launch = _LAUNCH.get(key, False)
     if launch is False:
         launch = None
         if unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
-                       scale) is None:
-            B, Hkv, cap, D = keys.shape
+                       scale, plane) is None:
+            B, (_, Hkv, cap, D) = proj.shape[0], keys.shape
             ns = splits(B, Hkv, cap)
             inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
                             eps, scale, ns > 1)
@@ -108,13 +121,13 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     if launch is None:
         return None
     template, comb_template, ns = launch
-    B, Hkv, _, D = keys.shape
+    B, (_, Hkv, _, D) = proj.shape[0], keys.shape
     Hq, threads = n_heads, 32 * (n_heads // Hkv)
     split = ns > 1
     shapes = [(B, 1, Hq * D) if not split else (1,), (B, Hkv, 1, D), (B, Hkv, 1, D),
               (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
     out, k_new, v_new, part_acc, part_ml = kernels.call(
-        "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset], template,
+        "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset, _plane_array(plane)], template,
         (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
         [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
     if split:
@@ -145,7 +158,7 @@ def _combine_instances() -> list[kernels.Instance]:
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_decode", body="attn_decode.inc",
-    input_names=("proj", "qn", "kn", "keys", "values", "offset"),
+    input_names=("proj", "qn", "kn", "keys", "values", "offset", "plane"),
     output_names=("out", "k_new", "v_new", "part_acc", "part_ml"), template_params=SPEC_PARAMS,
     description="gated attention decode step: q/k norm + partial RoPE + new KV row + GQA attention over the cache "
                 "(split over blocks for long caches) + output gate",

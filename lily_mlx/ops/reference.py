@@ -289,10 +289,12 @@ def attention_oracle(q, k, v, *, scale: float, mask=None) -> mx.array:
 
 
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
-                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float):
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0):
     """One decode token of gated attention from the fused projection; see ops.attention_decode. The
     cache's first `offset` positions and the new row are attended to without copying the cache."""
-    B, Hkv, cap, D = keys.shape
+    B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
+    if PB != B:  # stacked planes: this layer's rows
+        keys, values = keys[plane * B:(plane + 1) * B], values[plane * B:(plane + 1) * B]
     Hq, rep = n_heads, n_heads // n_kv_heads
     q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
     q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
