@@ -121,3 +121,40 @@ def test_prefill_with_query_blocked_attention_equals_one_block(tiny_checkpoints,
     monkeypatch.setattr(ops, "MAX_ATTENTION_SCORES", 4 * 45 * 4)  # blocks of 4 queries (tiny model: 4 heads)
     got = prefill()
     assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5
+
+
+def test_stacked_kv_steps_equal_eager_steps_and_write_back(monkeypatch):
+    """stacked_kv: the attention layers' caches as planes of one [P*B, Hkv, capacity, D] buffer, the step writing
+    every layer's new row at once, equals the eager model across a capacity growth (batch 2), and its write-back
+    hands each layer its own plane."""
+    from bench import random_model
+    from lily_mlx.config import ModelConfig
+    from lily_mlx.model import Model
+    from test_decode_budget import NARROW
+
+    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4, 64, "float32"))
+    model = Model(cfg)  # 12 layers: three attention layers, three planes
+    mx.eval(model.parameters())
+    prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(2, 9)))
+    eager, fast = model.make_cache(), model.make_cache()
+    model(prompt, cache=eager)
+    model(prompt, cache=fast)
+    with ops.switched("stacked_kv", True):
+        dec = CompiledDecoder(model, fast, reserve=8)
+    n_attn = sum(not l.is_linear for l in model.layers)
+    assert dec.stacked and n_attn == 3 and len(dec.kv) == 1 and dec.kv[0][0].shape[0] == 2 * n_attn
+    tokens = np.random.default_rng(0).integers(0, NARROW["vocab_size"], size=(STEP + 12, 2))  # crosses a capacity
+    worst = 0.0
+    for t in tokens:
+        x = mx.array(t[:, None])
+        a = model(x, cache=eager)[:, -1, :]
+        b = dec(x)
+        worst = max(worst, float(mx.abs(a - b).max() / mx.abs(a).max()))
+    assert worst <= 1e-5
+    dec.write_back()
+    for i, c in enumerate(fast):
+        if not model.layers[i].is_linear:
+            n = c.offset
+            assert n == eager[i].offset and mx.array_equal(c.keys[..., :n, :], eager[i].keys[..., :n, :]).item()
+    x = mx.array([[42], [7]])
+    assert float(mx.abs(model(x, cache=eager) - model(x, cache=fast)).max()) <= 1e-4

@@ -14,6 +14,7 @@ import collections
 import re
 
 import mlx.core as mx
+import pytest
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
@@ -31,9 +32,10 @@ NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_v
 # MoE down+combine; attention layer = the same with attn_decode for deltanet_step, plus attn_combine when the
 # cache is split (the compiled decoder's capacity is a multiple of 256: always); then final norm + lm_head.
 PER_DELTANET, PER_ATTENTION = 6, 6
-# Outside the kernels: the K and V cache writes of each attention layer (20), the shared offset reshape and
-# the logits slice; the embedding lookup is counted apart (CPU's graph decomposes its dequantize).
-OTHER_MAX = 24
+# Outside the kernels: the K and V cache writes of each attention layer (20; with stacked_kv one concatenation
+# and one write for K and for V: 4), the shared offset reshape and the logits slice; the embedding lookup is
+# counted apart (CPU's graph decomposes its dequantize).
+OTHER_MAX = {False: 24, True: 8}
 
 
 def _model():
@@ -54,12 +56,15 @@ def _primitives(outputs, path) -> collections.Counter:
     return collections.Counter(nodes.values())
 
 
-def test_decode_step_budget(monkeypatch, tmp_path):
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer-kv", "stacked-kv"])
+def test_decode_step_budget(monkeypatch, tmp_path, stacked):
     cached = 8
     model = _model()
     cache = model.make_cache()
     model(mx.array([list(range(1, cached + 1))]), cache=cache)  # the real prefill, on the CPU
-    dec = CompiledDecoder(model, cache, reserve=4)
+    with ops.switched("stacked_kv", stacked):
+        dec = CompiledDecoder(model, cache, reserve=4)
+    assert dec.stacked == stacked
     mx.eval(dec.kv, dec.states)
 
     launches, standin_outputs = collections.Counter(), [0]
@@ -92,8 +97,9 @@ def test_decode_step_budget(monkeypatch, tmp_path):
     other["Broadcast"] -= standin_outputs[0]
     other["Depends"] -= sum(launches.values())
     other = +other  # drop the zeros
-    assert other["DynamicSliceUpdate"] == 2 * n_attn
-    assert sum(other.values()) <= OTHER_MAX, f"primitives outside the kernels: {dict(other)}"
+    assert other["DynamicSliceUpdate"] == (2 if stacked else 2 * n_attn)
+    assert other["Concatenate"] == (2 if stacked else 0)
+    assert sum(other.values()) <= OTHER_MAX[stacked], f"primitives outside the kernels: {dict(other)}"
     total = sum(launches.values()) + sum(other.values()) + sum(embed.values())
     print(f"cached {cached}: {sum(launches.values())} kernel launches, {sum(other.values())} other primitives "
           f"{dict(other)}, embedding lookup {sum(embed.values())} on CPU's graph; {total} in all")
