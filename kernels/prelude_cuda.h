@@ -21,6 +21,8 @@
 #define LILY_BARRIER() __syncthreads()
 LILY_INLINE float lily_shfl_xor(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 LILY_INLINE int lily_shfl_xor(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+LILY_INLINE float lily_shfl(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+LILY_INLINE uint32_t lily_shfl(uint32_t v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 
 LILY_INLINE float lily_warp_sum(float v) {
   LILY_UNROLL

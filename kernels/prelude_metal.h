@@ -22,6 +22,8 @@
 #define LILY_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 LILY_INLINE float lily_shfl_xor(float v, int mask) { return simd_shuffle_xor(v, static_cast<ushort>(mask)); }
 LILY_INLINE int lily_shfl_xor(int v, int mask) { return simd_shuffle_xor(v, static_cast<ushort>(mask)); }
+LILY_INLINE float lily_shfl(float v, int lane) { return simd_shuffle(v, static_cast<ushort>(lane)); }
+LILY_INLINE uint32_t lily_shfl(uint32_t v, int lane) { return simd_shuffle(v, static_cast<ushort>(lane)); }
 
 LILY_INLINE float lily_warp_sum(float v) { return simd_sum(v); }
 

@@ -4,8 +4,9 @@ The prefill paths that run quantized weights as dense GEMMs (every expert before
 `moe_dequant_gemm`; the dense projections, `dense_dequant_gemm`) first write the weights out in the
 activations' dtype; MLX's `mx.dequantize` moved about 0.75 TB/s doing that on the H200 (2.7 ms for a
 layer's 805M expert weights). This module checks that the kernel applies (else ops.dequantize runs
-mx.dequantize), picks the launch and registers switch "dequant" (default off: Metal-emulated and
-compile-checked, not yet run on a GPU).
+mx.dequantize), picks the launch and registers switch "dequant". It is off by default: the first version
+(kernels/scratch/dequant_v1.inc) was correct on the H200 but slower than mx.dequantize, and this one (each
+warp store covering 32 consecutive outputs) is Metal-emulated and compile-checked, not yet timed on a GPU.
 """
 
 from __future__ import annotations
