@@ -25,10 +25,12 @@ model=${MODEL:-/tmp/r35}
 [ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
 step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
 wait
-step 90 170 "server at 1, 8, 32 clients" python3 bench/serve_load.py --model "$model" --concurrency 1,8,32 \
-  --requests-per-client 2 --max-tokens 64 --json "$out/serve.json"
-step 100 140 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
+step 60 80 "decode step, stacked_kv on vs off" python3 -m bench.profile_decode --model "$model" --context 256 4096 \
+  --no-ops --ab-switch stacked_kv --json "$out/decode_ab.json"
+step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
+  --ab-switch dequant --json "$out/prefill.json"
+step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
-step 40 0 "prefill by length, deltanet_chunk flipped" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 512 2048 8192 16384 65536 --whole-only --ab-switch deltanet_chunk --json "$out/prefill.json"
+step 60 0 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
+  --json "$out/prefill_long.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
