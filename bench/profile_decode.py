@@ -70,10 +70,13 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     cache = prefilled_cache(model, context, vocab)
     decoders = {}
     for on in (True, False):
-        dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
+        # Built and traced under the setting: a decoder takes its shared trace, keyed on the switches, when made.
         with ops.switched(name, on):
-            mx.eval(dec(mx.array([[1]])))  # traced (and its kernels built) under this setting
+            dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
+            mx.eval(dec(mx.array([[1]])))
         decoders[on] = dec
+    if decoders[True]._fn is decoders[False]._fn:
+        raise RuntimeError(f"switch {name}: both settings share one compiled step, so the A/B would time one graph")
     times = {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):

@@ -149,7 +149,8 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-# H200, 35B decode step at context 256, alternating in one process: 4.12 ms on vs 4.50 ms off (BENCHMARKS.md).
+# H200 (bench/launch_cost.py): an #include'd source costs 2-8 us less per launch than our 4.6-11.5 KB inline ones;
+# bit-identical output. The whole decode step's A/B is still to be measured cleanly (BENCHMARKS.md).
 register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch")
 
 
