@@ -27,6 +27,8 @@ step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider
 wait
 step 60 80 "decode step, stacked_kv on vs off" python3 -m bench.profile_decode --model "$model" --context 256 4096 \
   --no-ops --ab-switch stacked_kv --json "$out/decode_ab.json"
+step 60 70 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
+  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab_source_files.json"
 step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
   --ab-switch dequant --json "$out/prefill.json"
 step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
