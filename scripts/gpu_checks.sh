@@ -29,6 +29,12 @@ step 60 80 "decode step, stacked_kv on vs off" python3 -m bench.profile_decode -
   --no-ops --ab-switch stacked_kv --json "$out/decode_ab.json"
 step 60 70 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
   --no-ops --ab-switch cuda_source_files --json "$out/decode_ab_source_files.json"
+# MLX's CUDA backend records kernels into CUDA graphs (at most 100 per graph on sm_90); a CPU-bound step may do
+# better with one graph per step or with plain launches. Each setting is read once per process.
+for graphs in "MLX_MAX_OPS_PER_BUFFER=400" "MLX_USE_CUDA_GRAPHS=0"; do
+  step 50 60 "decode step with $graphs" env "$graphs" python3 -m bench.profile_decode --model "$model" --context 256 \
+    --no-ops --json "$out/decode_${graphs%%=*}.json"
+done
 step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
   --ab-switch dequant --json "$out/prefill.json"
 step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
