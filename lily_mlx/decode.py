@@ -153,7 +153,7 @@ class CompiledDecoder:
         if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
             capacity = _round_up(self.offset + tokens.shape[1] + STEP)
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
-        out = self._fn(tokens, mx.array(self.offset, dtype=mx.int32), *_flatten(self.kv, self.states))
+        out = self._fn(tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, self.states))
         self.kv, self.states = _unflatten(out[1:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
         return out[0]
@@ -255,17 +255,19 @@ def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
     return (logits, offset + tokens.shape[1], *_flatten([(s.keys, s.values) for s in shims], states))
 
 
-def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
-    offset1 = offset.reshape(1)  # once per step, shared by every attention layer
+def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
+    """offset1 [1] int32, what the fused attention reads; the scalar is for the several-token path only (a
+    decode step's trace drops it)."""
+    offset = offset1.reshape(())
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
     logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
     return (logits, *_flatten([(s.keys, s.values) for s in shims], states))
 
 
-def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset, *flat):
+def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
     """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
-    offset1 = offset.reshape(1)
+    offset = offset1.reshape(())
     ((keys, values),), states = _unflatten(flat, 1, len(state_index))
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
@@ -276,8 +278,6 @@ def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[in
     values = mx.slice_update(values, v_new, offset1, axes=(2,))
     return (logits, *_flatten([(keys, values)], states))
 
-
-_STEPS = {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
@@ -301,7 +301,7 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
         for old in [k for k in steps if k[1:] != key[1:]]:  # the old trace's weights or switches are gone: free it
             del steps[old]
         # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
-        step = _STEPS[kind]
+        step = {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}[kind]
         steps[key] = mx.compile(lambda *args: step(ref(), n_cache, kv_index, state_index, *args))
     return steps[key]
 
