@@ -467,7 +467,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             rows, infos, stopped = run_matrix(args, arms, model, traffic)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if signal.getsignal(signal.SIGTERM) is _raise_stopped:  # once stopped, later SIGTERMs stay ignored
+                signal.signal(signal.SIGTERM, previous)
     except (BenchError, arm_mod.ArmError, random_model.SpecError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
