@@ -1,18 +1,25 @@
-"""Kernel benchmark (the start of `lily-mlx bench --kernels`): qmv vs mx.quantized_matmul.
+"""Kernel benchmark (`lily-mlx bench --kernels`): every custom kernel against MLX's nearest built-in.
 
-For each of the model's projection shapes at batch 1: check qmv against the float32 oracle first
-(a failing row reports no timing), then time both through MLX, as the model calls them: a chain of
-calls evaluated at once, rotating over enough weight copies that the 60 MB L2 cannot serve them.
-Times are wall-clock per call, so they include MLX's per-primitive cost (about 4-5 us), which
-bounds the small shapes. Bandwidth counts w + scales + biases + x + y once; the peak is a large
-`mx.sum` measured in the same run.
+qmv against mx.quantized_matmul for each of the model's projection shapes at batch 1, then the other
+kernels at the 35B-A3B shapes against the path the dispatcher takes with their switch off (MLX's own
+ops): the MoE block's two launches (gather_qmm), the DeltaNet decode step, decode attention at 256 and
+4096 positions, the prefill chunk scan and the expert dequantize. Each row checks its kernel first (a
+failing row reports no timing), then times both through MLX as the model calls them: a chain of calls
+evaluated at once, rotating over enough input copies that the 60 MB L2 cannot serve them. Times are
+wall-clock per call, so they include MLX's per-primitive cost (about 4-5 us), which bounds the small
+shapes. Bandwidth counts the bytes a call must read and write once; the peak is a large `mx.sum`
+measured in the same run.
 
-    python bench/kernels.py [--json PATH] [--reps 5]
+    python bench/kernels.py [--json PATH] [--reps 5] [--shapes model|tiny]
+
+`--shapes tiny` runs the same rows at toy sizes, on any backend (on the CPU both sides are MLX's path):
+a check of the harness itself, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -36,6 +43,7 @@ SHAPES = [
     (2048, 256, 8, "router"),
     (2048, 1, 8, "shared-expert gate"),
 ]
+TINY_SHAPES = [(256, 64, 4, "toy"), (128, 33, 8, "toy, 8-bit")]
 GROUP = 64
 L2_BYTES = 60e6
 
@@ -51,13 +59,17 @@ def wall_time(fn, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def read_peak(reps: int) -> float:
-    """Bytes/s of mx.sum over 2 GiB of random bf16."""
-    a = mx.random.normal((1 << 30,), dtype=mx.bfloat16)
+def read_peak(reps: int, elements: int = 1 << 30) -> float:
+    """Bytes/s of mx.sum over `elements` random bf16 (2 GiB by default)."""
+    a = mx.random.normal((elements,), dtype=mx.bfloat16)
     mx.eval(a)
     t = wall_time(lambda: mx.eval(mx.sum(a)), reps)
     del a
-    return (1 << 31) / t
+    return 2 * elements / t
+
+
+def read_peak_small(reps: int) -> float:
+    return read_peak(reps, 1 << 22)
 
 
 def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
@@ -71,8 +83,15 @@ def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
     x = mx.random.normal((1, K), key=mx.random.key(1000)).astype(mx.bfloat16)
     row = {"K": K, "N": N, "bits": bits, "group": GROUP, "bytes": nbytes, "copies": copies}
 
+    be = ops.backend()
+
+    def ours(x, w, s, b, **kw):  # the kernel itself; on the CPU (--shapes tiny) the dispatcher's MLX path
+        if be == "cpu":
+            return ops.quantized_matmul(x, w, s, b, group_size=GROUP, bits=bits)
+        return qmv.qmv(x, w, s, b, group_size=GROUP, bits=bits, backend=be, **kw)
+
     w, s, b = weights[0]
-    y = qmv.qmv(x, w, s, b, group_size=GROUP, bits=bits, backend=ops.backend(), init_value=float("nan"))
+    y = ours(x, w, s, b, init_value=float("nan"))
     with mx.stream(mx.cpu):
         ref = reference.quantized_matmul_oracle(x.astype(mx.float32), w, s.astype(mx.float32), b.astype(mx.float32),
                                                 group_size=GROUP, bits=bits)
@@ -93,10 +112,153 @@ def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
     row["stock_us"] = wall_time(stock_fn, reps) / calls * 1e6
     row["stock_gbs"] = nbytes / row["stock_us"] / 1e3
     if row["ok"]:
-        be = ops.backend()
-        ours_fn = lambda: mx.eval([qmv.qmv(x, *weights[i % copies], group_size=GROUP, bits=bits, backend=be)  # noqa: E731
-                                   for i in range(calls)])
+        ours_fn = lambda: mx.eval([ours(x, *weights[i % copies]) for i in range(calls)])  # noqa: E731
         row["us"] = wall_time(ours_fn, reps) / calls * 1e6
+        row["gbs"] = nbytes / row["us"] / 1e3
+        row["pct_peak"] = 100 * row["gbs"] * 1e9 / peak
+        row["speedup"] = row["stock_us"] / row["us"]
+    return row
+
+
+# Op rows: (switch, what) -> a builder (dims) returning (ours(i), nbytes, copies); "theirs" is ours with the switch
+# off. The 35B-A3B dimensions, and toy ones for --shapes tiny.
+DIMS = {"model": dict(H=2048, E=256, I=512, IS=512, K=8, Hk=16, Hv=32, Dk=128, Dv=128, W=4, Hq=16, Hkv=2, D=256,
+                      rope=64, T=2048, C=64),
+        "tiny": dict(H=128, E=8, I=64, IS=64, K=2, Hk=2, Hv=4, Dk=32, Dv=32, W=4, Hq=4, Hkv=2, D=64, rope=16, T=128,
+                     C=64)}
+BF16 = mx.bfloat16
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(64, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
+
+
+def _quant(shape, key, bits=4):
+    return mx.quantize(mx.random.normal(shape, key=mx.random.key(key)) * 0.05, group_size=GROUP, bits=bits)
+
+
+def moe_row(d):
+    """The MoE block at one token: top-k experts' gate/up/down and the shared expert (two launches)."""
+    H, E, I, IS, K = d["H"], d["E"], d["I"], d["IS"], d["K"]
+    gate, up, down = _quant((E, I, H), 1), _quant((E, I, H), 2), _quant((E, H, I), 3)
+    sg, su, sd = _quant((IS, H), 4), _quant((IS, H), 5), _quant((H, IS), 6)
+    mx.eval(gate, up, down, sg, su, sd)
+    per_expert = 3 * I * H // 2 + 3 * 2 * 2 * I * H // GROUP  # codes + bf16 scales/biases of gate, up, down
+    nbytes = (K * per_expert + 3 * IS * H // 2) + 4 * H
+    copies = 64  # the routing varies per call, so different experts are read
+    xs = [(mx.random.normal((1, 1, H), key=mx.random.key(10 + i)) * 0.5).astype(BF16) for i in range(copies)]
+    logits = [mx.random.normal((1, 1, E + 1), key=mx.random.key(100 + i)).astype(BF16) for i in range(copies)]
+    mx.eval(xs, logits)
+
+    def ours(i):
+        return ops.moe_decode(xs[i], None, 1e-6, logits[i], gate, up, down, sg, su, sd, top_k=K, normalize=True,
+                              group_size=GROUP, bits=4)
+    return ours, nbytes, copies
+
+
+def deltanet_step_row(d):
+    """One token of a Gated DeltaNet layer from its fused projection: conv, gates, the float32 state update."""
+    Hk, Hv, Dk, Dv, W = d["Hk"], d["Hv"], d["Dk"], d["Dv"], d["W"]
+    C = 2 * Hk * Dk + Hv * Dv
+    state_bytes = Hv * Dv * Dk * 4
+    copies = _copies(2 * state_bytes)
+    conv_w = (mx.random.normal((C, W, 1), key=mx.random.key(1)) * 0.3).astype(BF16)
+    a_log, dt_bias = mx.zeros((Hv,)), mx.zeros((Hv,))
+    norm_w = mx.ones((Dv,), dtype=BF16)
+    projs = [(mx.random.normal((1, 1, C + Hv * Dv + 2 * Hv), key=mx.random.key(i)) * 0.5).astype(BF16)
+             for i in range(copies)]
+    convs = [mx.zeros((1, W - 1, C), dtype=BF16) for _ in range(copies)]
+    states = [mx.random.normal((1, Hv, Dv, Dk), key=mx.random.key(50 + i)) * 0.1 for i in range(copies)]
+    mx.eval(conv_w, projs, convs, states)
+    nbytes = 2 * state_bytes + 2 * (C + Hv * Dv) * 2 + 2 * (W - 1) * C * 2
+
+    def ours(i):
+        return ops.deltanet_decode_step(projs[i], conv_w, convs[i], a_log, dt_bias, norm_w, states[i],
+                                        num_key_heads=Hk, eps=1e-6)[0]
+    return ours, nbytes, copies
+
+
+def attn_row(d, context: int):
+    """One decode token of gated attention over `context` cached positions (GQA, partial RoPE)."""
+    Hq, Hkv, D = d["Hq"], d["Hkv"], d["D"]
+    kv_bytes = 2 * Hkv * context * D * 2
+    copies = _copies(kv_bytes)
+    proj = (mx.random.normal((1, 1, Hq * 2 * D + 2 * Hkv * D), key=mx.random.key(1)) * 0.5).astype(BF16)
+    qn = kn = mx.ones((D,), dtype=BF16)
+    cap = context + 8
+    caches = [(mx.random.normal((1, Hkv, cap, D), key=mx.random.key(2 * i)).astype(BF16),
+               mx.random.normal((1, Hkv, cap, D), key=mx.random.key(2 * i + 1)).astype(BF16)) for i in range(copies)]
+    off = mx.array([context], dtype=mx.int32)
+    mx.eval(proj, caches, off)
+
+    def ours(i):
+        k, v = caches[i]
+        return ops.attention_decode(proj, qn, kn, 1e-6, k, v, off, n_heads=Hq, n_kv_heads=Hkv, rope_dims=d["rope"],
+                                    rope_theta=1e7, scale=D ** -0.5)[0]
+    return ours, kv_bytes, copies
+
+
+def chunk_row(d):
+    """The prefill's scan over chunks of one DeltaNet layer (T tokens), from chunk_intra's outputs."""
+    Hv, Dk, Dv, T, C = d["Hv"], d["Dk"], d["Dv"], d["T"], d["C"]
+    N = T // C
+    keys = mx.random.split(mx.random.key(7), 6)
+    u = mx.random.normal((1, Hv, N, C, Dv), key=keys[0]) * 0.1
+    w, q_dec, k_dec = (mx.random.normal((1, Hv, N, C, Dk), key=keys[i]) * 0.1 for i in (1, 2, 3))
+    qk = mx.tril(mx.random.normal((1, Hv, N, C, C), key=keys[4]) * 0.1)
+    g_last = mx.exp(-mx.abs(mx.random.normal((1, Hv, N), key=keys[5])) * 0.1)
+    state = mx.zeros((1, Hv, Dv, Dk))
+    mx.eval(u, w, q_dec, k_dec, qk, g_last, state)
+    nbytes = 4 * (u.size * 2 + w.size * 3 + qk.size + g_last.size + 2 * state.size)
+    return (lambda i: ops.chunk_scan(u, w, q_dec, qk, k_dec, g_last, state)[0]), nbytes, 1
+
+
+def dequant_row(d):
+    """One projection of every expert (E x I x H codes) to bf16: the grouped GEMM's operand in prefill."""
+    E, I, H = d["E"], d["I"], d["H"]
+    w, s, b = _quant((E, I, H), 9)
+    mx.eval(w, s, b)
+    nbytes = E * I * H // 2 + 2 * 2 * E * I * H // GROUP + 2 * E * I * H
+    return (lambda i: ops.dequantize(w, s, b, group_size=GROUP, bits=4, dtype=BF16)), nbytes, 1
+
+
+OP_ROWS = [
+    ("moe_gate_up+moe_down_combine", "MoE block, 1 token (top-k experts + shared)", moe_row),
+    ("deltanet_step", "DeltaNet decode step, 1 token", deltanet_step_row),
+    ("attn_decode", "decode attention, 256 cached", lambda d: attn_row(d, 256)),
+    ("attn_decode", "decode attention, 4096 cached", lambda d: attn_row(d, 4096)),
+    ("deltanet_chunk", "prefill chunk scan, one layer", chunk_row),
+    ("dequant", "every expert's gate projection to bf16", dequant_row),
+]
+
+
+@contextlib.contextmanager
+def _forced_on(names):
+    """These switches on (opt-in ones too) for the block; every switch restored after."""
+    with ops.disabled():
+        for n in names:
+            ops.set_enabled(n, True)
+        yield
+
+
+def bench_op(switch: str, build, dims: dict, peak: float, reps: int) -> dict:
+    """One op: our kernel's output against the switch-off path's first, then both timed the same way."""
+    names = switch.split("+")
+    ours, nbytes, copies = build(dims)
+    with _forced_on(names):
+        y = ours(0)
+    with ops.disabled(*names):
+        ref = ours(0)
+    y, ref = y.astype(mx.float32), ref.astype(mx.float32)
+    err = float("nan") if mx.isnan(y).any().item() else (mx.linalg.norm(y - ref) / mx.linalg.norm(ref)).item()
+    row = {"bytes": nbytes, "copies": copies, "err": err, "ok": bool(err < 2e-2)}
+    calls = max(copies, 16)
+    with ops.disabled(*names):
+        row["stock_us"] = wall_time(lambda: mx.eval([ours(i % copies) for i in range(calls)]), reps) / calls * 1e6
+    row["stock_gbs"] = nbytes / row["stock_us"] / 1e3
+    if row["ok"]:
+        with _forced_on(names):
+            row["us"] = wall_time(lambda: mx.eval([ours(i % copies) for i in range(calls)]), reps) / calls * 1e6
         row["gbs"] = nbytes / row["us"] / 1e3
         row["pct_peak"] = 100 * row["gbs"] * 1e9 / peak
         row["speedup"] = row["stock_us"] / row["us"]
@@ -107,16 +269,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shapes", choices=sorted(DIMS), default="model",
+                    help="model: the 35B-A3B shapes (a GPU); tiny: toy sizes, a check of the harness on any backend")
     args = ap.parse_args(argv)
-    if ops.backend() == "cpu":
-        print("no GPU backend: qmv runs on CUDA or Metal only", file=sys.stderr)
+    if ops.backend() == "cpu" and args.shapes == "model":
+        print("no GPU backend: the kernels run on CUDA or Metal only (--shapes tiny checks the harness here)",
+              file=sys.stderr)
         return 2
-    peak = read_peak(args.reps)
+    peak = read_peak(args.reps) if args.shapes == "model" else read_peak_small(args.reps)
     rows = []
-    print(f"read peak (mx.sum over 2 GiB bf16): {peak / 1e9:.0f} GB/s\n")
+    print(f"read peak (mx.sum over {'2 GiB' if args.shapes == 'model' else '8 MiB'} of bf16): {peak / 1e9:.0f} GB/s\n")
     print("| shape | what | MB | qmv us | qmv GB/s | % peak | mx.qmm us | mx.qmm GB/s | speedup | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for K, N, bits, what in SHAPES:
+    for K, N, bits, what in (SHAPES if args.shapes == "model" else TINY_SHAPES):
         r = bench_shape(K, N, bits, peak, args.reps)
         r["what"] = what
         rows.append(r)
@@ -128,8 +293,21 @@ def main(argv=None) -> int:
             print(f"| {shape} | {what} | {r['bytes'] / 1e6:.2f} | FAIL | - | - | {r['stock_us']:.1f} | "
                   f"{r['stock_gbs']:.0f} | - | {r['err']:.1e} |")
         sys.stdout.flush()
+    print("\n| kernel | what | MB | ours us | ours GB/s | % peak | MLX us | MLX GB/s | speedup | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for switch, what, build in OP_ROWS:
+        r = bench_op(switch, build, DIMS[args.shapes], peak, args.reps)
+        r.update(kernel=switch, what=what)
+        rows.append(r)
+        head = f"| {switch} | {what} | {r['bytes'] / 1e6:.2f} |"
+        if r["ok"]:
+            print(f"{head} {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_peak']:.0f}% | {r['stock_us']:.1f} | "
+                  f"{r['stock_gbs']:.0f} | {r['speedup']:.2f}x | {r['err']:.1e} |")
+        else:
+            print(f"{head} FAIL | - | - | {r['stock_us']:.1f} | {r['stock_gbs']:.0f} | - | {r['err']:.1e} |")
+        sys.stdout.flush()
     if args.json:
-        args.json.write_text(json.dumps({"peak_bytes_per_s": peak, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"peak_bytes_per_s": peak, "shapes": args.shapes, "rows": rows}, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -234,3 +234,19 @@ def test_perplexity_both_engines_agree(tmp_path, tiny_f32):
 def test_cli_rejects_unknown_commands(capsys):
     assert cli_main(["nonsense"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_kernel_bench_harness_runs_every_row_at_toy_shapes(tmp_path):
+    """`bench --kernels --shapes tiny`: every kernel row (qmv shapes, MoE, DeltaNet step, attention, chunk scan,
+    dequant) builds, checks and times on any backend, so a GPU lease is not spent finding a harness bug."""
+    kernels = importlib.import_module(bench.__name__ + ".kernels")
+    out = tmp_path / "k.json"
+    assert kernels.main(["--shapes", "tiny", "--reps", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = [r.get("kernel", "qmv") for r in report["rows"]]
+    assert names == ["qmv"] * len(kernels.TINY_SHAPES) + [k for k, _, _ in kernels.OP_ROWS]
+    assert all(r["ok"] and r["us"] > 0 and r["stock_us"] > 0 and r["bytes"] > 0 for r in report["rows"])
+    from lily_mlx import ops
+
+    if ops.backend() == "cpu":  # the model shapes need a GPU: refused with a clear message, not run
+        assert kernels.main(["--reps", "1"]) == 2
