@@ -188,8 +188,11 @@ class SparseMoeBlock(nn.Module):
         return self._run(h, norm, h)
 
     def _run(self, x, norm, residual):
-        # Below SwitchGLU's sorting threshold the fused op's fallback is the very same unsorted gather.
-        if residual is not None and (x.size // x.shape[-1]) * self.top_k < 64 and self._quantized_alike():
+        # The fused op for as many tokens as its kernels take (8: a server batch of 8 rows at top-8 included), and
+        # below SwitchGLU's sorting threshold, where its fallback is the very same unsorted gather.
+        tokens = x.size // x.shape[-1]
+        if (residual is not None and (tokens <= ops.DECODE_KERNEL_ROWS or tokens * self.top_k < 64)
+                and self._quantized_alike()):
             logits = self.router(x, norm)  # [..., E + 1]: the router's, then the shared-expert gate's
             wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
             first = self.switch_mlp.gate_proj

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -281,6 +282,32 @@ def test_model_logits_match_the_plain_block(tiny_checkpoints, monkeypatch):
     assert layer.router.current(), "router and shared-expert gate were not fused at load"
     assert moe.unsupported_gate_up(x, (norm["weight"], norm.eps), layer.router(x), q(sw.gate_proj), q(sw.up_proj),
                                    q(se.gate_proj), q(se.up_proj), layer.top_k, 32, 4) is None
+
+
+def test_block_takes_the_fused_op_for_every_row_count_its_kernels_take(monkeypatch):
+    """A batch of 8 rows at top-8 (64 expert slots, SwitchGLU's sorting threshold) still takes ops.moe_decode,
+    whose kernels take up to 8 tokens; 9 rows take the sorted gather. Both paths give the plain block's output."""
+    from bench import random_model
+    from lily_mlx.config import ModelConfig
+    from test_decode_budget import NARROW
+
+    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=4), 0, 4, 64, "float32"))
+    model = model_mod.Model(cfg)  # quantized as a checkpoint is (4-bit, the router 8-bit), projections fused
+    nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
+    model.fuse_projections()
+    block, norm = model.layers[0].mlp, model.layers[0].post_attention_layernorm
+    assert block.top_k == 8 and ops.DECODE_KERNEL_ROWS == 8
+    calls = []
+    real = ops.moe_decode
+    monkeypatch.setattr(ops, "moe_decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for rows in (8, 9):
+        h = mx.random.normal((rows, 1, cfg.hidden_size), key=mx.random.key(rows))
+        got = block.add_to(h, norm)
+        with monkeypatch.context() as m:
+            m.setattr(model_mod.SparseMoeBlock, "add_to", _plain_moe_add_to)
+            want = block.add_to(h, norm)
+        assert rel_errors(_f64(got), _f64(want))[0] < 1e-5
+    assert calls == [8]
 
 
 def _raising_kernel(*args, **kwargs):
