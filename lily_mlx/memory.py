@@ -27,8 +27,8 @@ def parse_size(text: str) -> int:
         n = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
     except ValueError:
         raise ValueError(f"{HEADROOM_ENV}={text!r}: expected bytes, optionally with a K, M or G suffix") from None
-    if not n > 0:
-        raise ValueError(f"{HEADROOM_ENV}={text!r}: must be positive")
+    if not 0 < n < 2**62:
+        raise ValueError(f"{HEADROOM_ENV}={text!r}: must be positive and finite")
     return int(n)
 
 

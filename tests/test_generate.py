@@ -227,7 +227,7 @@ def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
     with bounded_prefill(headroom=1 << 62):  # never raised above the limit already set
         assert mx.get_memory_limit() == before
     assert memory.parse_size("2G") == 2 << 30 and memory.parse_size("512mb") == 512 << 20
-    for bad in ("lots", "-1G", "0"):
+    for bad in ("lots", "-1G", "0", "inf", "nan"):
         monkeypatch.setenv(memory.HEADROOM_ENV, bad)
         with pytest.raises(ValueError, match=memory.HEADROOM_ENV):
             with bounded_prefill():
