@@ -95,6 +95,41 @@ def part_times(model, T: int) -> dict:
     return out
 
 
+def mixer_parts(model, T: int) -> dict:
+    """The DeltaNet mixer of one layer on T tokens, split the way deltanet_mix composes it (each part alone,
+    its inputs made beforehand): milliseconds per part, so the next kernel goes where the time is."""
+    from lily_mlx import ops
+    from lily_mlx.ops import reference
+
+    dn = next(l for l in model.language_model.model.layers if l.is_linear)
+    g = dn.linear_attn
+    H, C, Hv, Dv = model.config.hidden_size, g.conv_dim, g.Hv, g.Dv
+    h = (mx.random.normal((1, T, H)) * 0.5).astype(mx.bfloat16)
+    proj = g.fused_in(h, dn.input_layernorm)
+    qkv, z, b, a = mx.split(proj, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
+    conv0 = mx.zeros((1, g.conv_width - 1, C), mx.bfloat16)
+    conv_out, _ = ops.causal_conv1d(qkv, g.conv1d.weight, conv0)
+    q, k, v = mx.split(conv_out, [g.key_dim, 2 * g.key_dim], axis=-1)
+    q = reference.l2_normalize(q.reshape(1, T, g.Hk, g.Dk)) * (g.Dk ** -0.5)
+    k = reference.l2_normalize(k.reshape(1, T, g.Hk, g.Dk))
+    v = v.reshape(1, T, Hv, Dv)
+    log_g, beta = reference.deltanet_gates(a, b, g.A_log, g.dt_bias)
+    intra = reference.chunk_intra(q, k, v, log_g, beta)
+    y = (mx.random.normal((1, T, Hv, Dv)) * 0.1).astype(mx.bfloat16)
+    mx.eval(qkv, z, conv0, q, k, v, log_g, beta, intra, y)
+    parts = {
+        "conv1d + SiLU": lambda: ops.causal_conv1d(qkv, g.conv1d.weight, conv0)[0],
+        "l2 norms + gates": lambda: (reference.l2_normalize(conv_out[..., :g.key_dim].reshape(1, T, g.Hk, g.Dk)),
+                                     *reference.deltanet_gates(a, b, g.A_log, g.dt_bias)),
+        "chunk_intra (every chunk's u, w, qk at once)": lambda: reference.chunk_intra(q, k, v, log_g, beta),
+        "chunk scan (deltanet_chunk where on)": lambda: ops.chunk_scan(*intra),
+        "gated RMSNorm": lambda: ops.gated_rms_norm(y, z.reshape(1, T, Hv, Dv), g.norm["weight"], 1e-6),
+        "whole mixer (ops.deltanet_mix)": lambda: ops.deltanet_mix(
+            proj, g.conv1d.weight, conv0, g.A_log, g.dt_bias, g.norm["weight"], None, num_key_heads=g.Hk, eps=1e-6)[0],
+    }
+    return {name: 1e3 * wall_time(lambda: mx.eval(fn()), reps=5) for name, fn in parts.items()}
+
+
 def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256)) -> list:
     """Routed experts of one layer, dequantize + grouped GEMM vs the quantized gather, by token count: where
     ops.DEQUANT_GEMM_MIN_ROWS should sit."""
@@ -160,6 +195,10 @@ def main(argv=None) -> int:
             print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
             for name, p in row["parts"].items():
                 print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
+            row["mixer_parts_ms"] = mixer_parts(model, T)
+            print("  the DeltaNet mixer, part by part:", flush=True)
+            for name, ms in row["mixer_parts_ms"].items():
+                print(f"    {name:58} {ms:8.2f} ms", flush=True)
         report["rows"].append(row)
     report["expert_sweep"] = expert_sweep(model) if args.sweep else []
     for r in report["expert_sweep"]:

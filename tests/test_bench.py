@@ -250,3 +250,22 @@ def test_kernel_bench_harness_runs_every_row_at_toy_shapes(tmp_path):
 
     if ops.backend() == "cpu":  # the model shapes need a GPU: refused with a clear message, not run
         assert kernels.main(["--reps", "1"]) == 2
+
+
+def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
+    """bench.profile_prefill and bench.profile_decode, every section, on the embedded 4-bit model: a GPU lease is
+    not spent finding a crash in a profile."""
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    prefill = importlib.import_module(bench.__name__ + ".profile_prefill")
+    decode = importlib.import_module(bench.__name__ + ".profile_decode")
+    model = str(EMBEDDED_4BIT_MODEL)
+    assert prefill.main(["--model", model, "--tokens", "70", "--ab-switch", "deltanet_chunk", "--sweep",
+                         "--json", str(tmp_path / "p.json")]) == 0
+    (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert row["tokens"] == 70 and row["bounded"]["prefill_s"] > 0 and "deltanet_chunk off" in row["flipped"]
+    assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
+    assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv",
+                        "--json", str(tmp_path / "d.json")]) == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert report["steps"][0]["tok_s"] > 0 and report["switch_ab"][0]["on_ms"] > 0 and report["ops"]
