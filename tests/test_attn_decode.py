@@ -27,17 +27,20 @@ TOL = {F32: 2e-5, BF16: 1.5e-2, F16: 3e-3}  # the output's rounding; bf16 also t
 
 class Case:
     """B, Hq, Hkv, D, rope dims, cache capacity, offset (tokens already cached), dtype, splits (None: planned),
-    and the stacked cache's planes (the compiled decoder's stacked_kv layout) with the plane read."""
+    the stacked cache's planes (the compiled decoder's stacked_kv layout) with the plane read, and a left-padded
+    batch's first column per row (`starts`: row b holds columns [starts[b], offset), rotating at offset - start)."""
 
-    def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4, planes=1, plane=0):
+    def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4, planes=1, plane=0,
+                 starts=None):
         self.B, self.Hq, self.Hkv, self.D, self.rope, self.cap, self.offset = B, Hq, Hkv, D, rope, cap, offset
-        self.dtype, self.theta, self.planes, self.plane = dtype, theta, planes, plane
+        self.dtype, self.theta, self.planes, self.plane, self.starts = dtype, theta, planes, plane, starts
         self.nsplit = nsplit or ad.splits(B, Hkv, cap)
 
     def __repr__(self):
         return (f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-rope{self.rope}-cap{self.cap}-off{self.offset}-"
                 f"{str(self.dtype).split('.')[-1]}-split{self.nsplit}"
-                + (f"-plane{self.plane}of{self.planes}" if self.planes > 1 else ""))
+                + (f"-plane{self.plane}of{self.planes}" if self.planes > 1 else "")
+                + (f"-starts{'_'.join(map(str, self.starts))}" if self.starts else ""))
 
     def arrays(self, seed=0):
         k = mx.random.split(mx.random.key(seed), 5)
@@ -49,17 +52,33 @@ class Case:
         values = mx.random.normal((self.planes * B, Hkv, self.cap, D), key=k[4]).astype(self.dtype)
         return proj, qn, kn, keys, values, mx.array([self.offset], dtype=mx.int32)
 
+    def rows(self):
+        """(row_start, row_pos) [B] int32 of a left-padded batch, or (None, None)."""
+        if not self.starts:
+            return None, None
+        start = mx.array(self.starts, dtype=mx.int32)
+        return start, self.offset - start
+
     def kw(self):
+        row_start, row_pos = self.rows()
         return dict(n_heads=self.Hq, n_kv_heads=self.Hkv, rope_dims=self.rope, rope_theta=self.theta,
-                    scale=self.D**-0.5, plane=self.plane)
+                    scale=self.D**-0.5, plane=self.plane, row_start=row_start, row_pos=row_pos)
 
     def reference(self, args):
-        # The oracle reads the plane's rows as a separate cache, so a kernel reading another plane fails it.
+        # The oracle reads the plane's rows as a separate cache, so a kernel reading another plane fails it; a
+        # left-padded row is its own cache of columns [start, offset), so a kernel reading the padding fails it.
         B, p = self.B, self.plane
         proj, qn, kn, keys, values, offset = args
+        keys, values = keys[p * B:(p + 1) * B], values[p * B:(p + 1) * B]
+        kw = dict(self.kw(), plane=0, row_start=None, row_pos=None)
         with mx.stream(mx.cpu):
-            out = reference.attention_decode(proj, qn, kn, 1e-6, keys[p * B:(p + 1) * B], values[p * B:(p + 1) * B],
-                                             offset, **dict(self.kw(), plane=0))
+            if not self.starts:
+                out = reference.attention_decode(proj, qn, kn, 1e-6, keys, values, offset, **kw)
+            else:
+                rows = [reference.attention_decode(proj[b:b + 1], qn, kn, 1e-6, keys[b:b + 1, :, s:], values[b:b + 1, :, s:],
+                                                   mx.array([self.offset - s], dtype=mx.int32), **kw)
+                        for b, s in enumerate(self.starts)]
+                out = tuple(mx.concatenate(parts) for parts in zip(*rows))
             mx.eval(out)
         return out
 
@@ -91,6 +110,8 @@ EMULATED = [
     Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5),  # 4 positions over 5 splits: one split is empty
     Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, planes=3, plane=2),  # stacked planes, the last read
     Case(1, 4, 2, 32, 8, 16, 5, F32, planes=4, plane=1),
+    Case(3, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, starts=[0, 20, 36]),  # left padding: whole splits skipped
+    Case(2, 4, 2, 32, 8, 16, 9, F32, starts=[4, 0]),  # one block per kv head
 ]
 
 
@@ -102,13 +123,14 @@ def test_metal_emulated_matches_reference(tmp_path):
         args = case.arrays(c)
         split = case.nsplit > 1
         inst = ad.instance(case.dtype, case.dtype, case.dtype, case.B, case.Hq, case.Hkv, case.D, case.rope, case.theta,
-                           1e-6, case.D**-0.5, split)
+                           1e-6, case.D**-0.5, split, rows=bool(case.starts))
         threads = 32 * (case.Hq // case.Hkv)
         B, Hq, ns, D = case.B, case.Hq, case.nsplit, case.D
         shapes = [(B, 1, Hq * D) if not split else (1,), (B, case.Hkv, 1, D), (B, case.Hkv, 1, D),
                   (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
-        plane = mx.array([case.plane], dtype=mx.int32)
-        emu.add(ad.SPEC, inst, [*args, plane], (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
+        plane, zero = mx.array([case.plane], dtype=mx.int32), mx.array([0], dtype=mx.int32)
+        rows = [r for r in case.rows() if r is not None] or [zero, zero]
+        emu.add(ad.SPEC, inst, [*args, plane, *rows], (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
     first = emu.run()
     combine = Emulator(tmp_path / "b")
     (tmp_path / "b").mkdir()
@@ -211,6 +233,7 @@ GPU_CASES = EMULATED + [
     Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7),  # split over 256 blocks per kv head
     Case(2, 16, 2, 256, 64, 1024, 1024, F32, theta=1e7),
     Case(1, 16, 2, 256, 64, 4096, 3001, BF16, theta=1e7, planes=10, plane=7),  # the stacked 35B layout
+    Case(8, 16, 2, 256, 64, 512, 300, BF16, theta=1e7, starts=[0, 3, 17, 100, 150, 200, 250, 299]),  # server batch
 ]
 
 

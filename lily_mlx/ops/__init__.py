@@ -264,16 +264,18 @@ def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
 
 
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
-                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0):
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
+                     row_start=None, row_pos=None):
     """One decode token of gated full attention. proj [B, 1, Hq*2*D + 2*Hkv*D] the fused projection (per
     query head [q | gate], then k, then v); q/k_norm_weight [D]; keys, values [P*B, Hkv, capacity, D] the
     cache (plane `plane` of P stacked ones: rows plane*B to plane*B + B), of which the first offset [1] int32
-    positions hold the earlier tokens. q and k are RMS-normalised and rotated at position offset. Returns
-    (softmax(q K^T scale) V * sigmoid(gate) [B, 1, Hq*D], and the new cache row k_new, v_new [B, Hkv, 1, D]
-    for the caller to store)."""
+    positions hold the earlier tokens. q and k are RMS-normalised and rotated at position offset. A
+    left-padded batch gives row_start, row_pos [B] int32: row b's tokens are columns [row_start[b], offset) and
+    its new token rotates at row_pos[b]. Returns (softmax(q K^T scale) V * sigmoid(gate) [B, 1, Hq*D], and the
+    new cache row k_new, v_new [B, Hkv, 1, D] for the caller to store at column offset)."""
     args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
-              plane=plane)
+              plane=plane, row_start=row_start, row_pos=row_pos)
     out = _try("attn_decode", *args, **kw)
     if out is not None:
         return out

@@ -29,7 +29,8 @@ TARGET_BLOCKS = 512  # blocks of 8 warps: about four per multiprocessor
 TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
 SHARED_BYTES = 32768  # Metal's threadgroup memory
-SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP")
+SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
+               "ROWS")
 
 
 def splits(B: int, n_kv_heads: int, capacity: int) -> int:
@@ -40,13 +41,15 @@ def splits(B: int, n_kv_heads: int, capacity: int) -> int:
 
 
 def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
-                scale, plane: int = 0) -> Optional[str]:
+                scale, plane: int = 0, rows=None) -> Optional[str]:
     """Why the kernels do not apply to these arguments (None when they do)."""
     if keys.ndim != 4 or values.shape != keys.shape:
         return "keys, values: [P*B, Hkv, capacity, D] of one shape expected"
     B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
     if B < 1 or PB % B or not 0 <= plane < PB // B:
         return f"keys: {PB} rows are not planes of the {B} rows of proj, or plane {plane} is not among them"
+    if rows is not None and any(r.shape != (B,) or r.dtype != mx.int32 for r in rows):
+        return f"row_start, row_pos: int32 [{B}] expected"
     Hq = n_heads
     if Hkv != n_kv_heads or Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return f"heads: {Hq} query heads over {Hkv} kv heads (at most {MAX_GROUP} per kv head)"
@@ -69,14 +72,15 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
 
 
 def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
-             eps: float, scale: float, split: bool, capacity: int = 16) -> kernels.Instance:
+             eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False) -> kernels.Instance:
     template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
                 ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
-                ("TP", TP))
+                ("TP", TP), ("ROWS", bool(rows)))
     kv = (cache_dtype, (B, Hkv, capacity, D))
+    per_row = (mx.int32, (B,) if rows else (1,))
     inputs = ((dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
-              (mx.int32, (1,)))
+              (mx.int32, (1,)), per_row, per_row)
     return kernels.Instance(template, inputs, (dtype, cache_dtype, cache_dtype, mx.float32, mx.float32))
 
 
@@ -101,20 +105,22 @@ def _plane_array(plane: int) -> mx.array:
 
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
                      n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str, plane: int = 0,
-                     init_value: Optional[float] = None):
+                     row_start=None, row_pos=None, init_value: Optional[float] = None):
     """(out [B, 1, Hq*D], k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, D]) or None when the kernels do not apply.
     See ops.attention_decode for the arguments."""
+    rows = None if row_start is None else (row_start, row_pos)
     key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
-           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane)
+           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
+           None if rows is None else tuple((r.shape, r.dtype) for r in rows))
     launch = _LAUNCH.get(key, False)
     if launch is False:
         launch = None
         if unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
-                       scale, plane) is None:
+                       scale, plane, rows) is None:
             B, (_, Hkv, cap, D) = proj.shape[0], keys.shape
             ns = splits(B, Hkv, cap)
             inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
-                            eps, scale, ns > 1)
+                            eps, scale, ns > 1, rows=rows is not None)
             comb = combine_instance(proj.dtype, B, n_heads, Hkv, D)
             launch = (list(inst.template), list(comb.template), ns)
         _LAUNCH[key] = launch
@@ -127,7 +133,8 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     shapes = [(B, 1, Hq * D) if not split else (1,), (B, Hkv, 1, D), (B, Hkv, 1, D),
               (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
     out, k_new, v_new, part_acc, part_ml = kernels.call(
-        "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset, _plane_array(plane)], template,
+        "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset, _plane_array(plane),
+                                 *(rows or (_plane_array(0), _plane_array(0)))], template,
         (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
         [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
     if split:
@@ -147,7 +154,9 @@ def _instances() -> list[kernels.Instance]:
     for B, Hq, Hkv, D, rd in MODEL_HEADS + TEST_HEADS:
         for dt in ACT_DTYPES:
             for split in (False, True):
-                out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split))
+                for rows in (False, True) if B > 1 and dt == mx.bfloat16 else (False,):  # a left-padded batch
+                    out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split,
+                                        rows=rows))
     return kernels.unique_instances(out, key=kernels.source_key)
 
 
@@ -158,7 +167,7 @@ def _combine_instances() -> list[kernels.Instance]:
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_decode", body="attn_decode.inc",
-    input_names=("proj", "qn", "kn", "keys", "values", "offset", "plane"),
+    input_names=("proj", "qn", "kn", "keys", "values", "offset", "plane", "row_start", "row_pos"),
     output_names=("out", "k_new", "v_new", "part_acc", "part_ml"), template_params=SPEC_PARAMS,
     description="gated attention decode step: q/k norm + partial RoPE + new KV row + GQA attention over the cache "
                 "(split over blocks for long caches) + output gate",

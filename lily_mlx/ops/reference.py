@@ -289,7 +289,8 @@ def attention_oracle(q, k, v, *, scale: float, mask=None) -> mx.array:
 
 
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
-                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0):
+                     n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
+                     row_start=None, row_pos=None):
     """One decode token of gated attention from the fused projection; see ops.attention_decode. The
     cache's first `offset` positions and the new row are attended to without copying the cache."""
     B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
@@ -299,12 +300,16 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
     q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
     pos = offset.reshape(())
-    q = rope(rms_norm(q, q_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, pos)  # [B, Hq, 1, D]
-    k = rope(rms_norm(k.reshape(B, 1, Hkv, D), k_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, pos)
+    rpos = pos if row_pos is None else row_pos  # per row: mx.fast.rope takes a [B] offset
+    q = rope(rms_norm(q, q_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)  # [B, Hq, 1, D]
+    k = rope(rms_norm(k.reshape(B, 1, Hkv, D), k_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)
     v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
     qg = q.astype(mx.float32).reshape(B, Hkv, rep, D) * scale
     s_cache = qg @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, cap]
-    s_cache = mx.where(mx.arange(cap) < pos, s_cache, -math.inf)
+    visible = mx.arange(cap) < pos  # [cap], or [B, 1, 1, cap] for a left-padded batch
+    if row_start is not None:
+        visible = visible & (mx.arange(cap) >= row_start[:, None, None, None])
+    s_cache = mx.where(visible, s_cache, -math.inf)
     s_new = qg @ k.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, 1]
     p = mx.softmax(mx.concatenate([s_cache, s_new], axis=-1), axis=-1)
     out = p[..., :cap] @ values.astype(mx.float32) + p[..., cap:] * v.astype(mx.float32)  # [B, Hkv, rep, D]
