@@ -23,8 +23,10 @@ from . import ops
 
 STEP = 256
 ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
-# Opt-in until its attn_decode change has run on a GPU (the emulator and the CPU path check it here).
+# Opt-in until their attn_decode changes have run on a GPU (the emulator and the CPU path check them here).
 ops.register_switch("stacked_kv", "compiled decode: every attention layer's K/V in one buffer, written once a step",
+                    default_on=False)
+ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
                     default_on=False)
 
 
@@ -35,7 +37,7 @@ class _StaticKV:
 
     def decode_view(self):
         """(keys, values, offset [1], plane): the buffers ops.attention_decode reads before update_and_fetch."""
-        return self.keys, self.values, self.offset1, 0
+        return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
         self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
@@ -56,7 +58,7 @@ class _StackedKV:
         self.keys, self.values, self.plane, self.offset, self.offset1, self.rows = keys, values, plane, offset, offset1, rows
 
     def decode_view(self):
-        return self.keys, self.values, self.offset1, self.plane
+        return self.keys, self.values, self.offset1, self.plane, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
         self.rows.append((k, v))
@@ -77,6 +79,12 @@ class _StaticBatchKV:
     def __init__(self, keys: mx.array, values: mx.array, idx1: mx.array, left_padding: mx.array, offset: mx.array):
         self.keys, self.values, self.idx1 = keys, values, idx1  # idx1: int32 [1]
         self.left_padding, self.offset = left_padding, offset
+
+    def decode_view(self):
+        """As _StaticKV's, each row from its own first column and RoPE position (None: the generic attention)."""
+        if not ops.enabled("batched_attn_decode"):
+            return None
+        return self.keys, self.values, self.idx1, 0, self.left_padding, self.offset.astype(mx.int32)
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
         self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.idx1, axes=(2,))

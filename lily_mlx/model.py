@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from . import ops
 from .config import ModelConfig
@@ -51,10 +51,11 @@ class Attention(nn.Module):
         proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
         kv = _decode_kv(cache, mask) if L == 1 else None
         if kv is not None:  # one token over a cache the fused decode attention reads in place
-            keys, values, offset, plane = kv
+            keys, values, offset, plane, row_start, row_pos = kv
             out, k_new, v_new = ops.attention_decode(
                 proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset, n_heads=Hq,
-                n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta, scale=self.scale, plane=plane)
+                n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta, scale=self.scale, plane=plane,
+                row_start=row_start, row_pos=row_pos)
             cache.update_and_fetch(k_new, v_new)
             return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
         q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
@@ -77,10 +78,15 @@ class Attention(nn.Module):
 
 
 def _decode_kv(cache, mask):
-    """(keys, values, offset [1] int32, plane) of a cache that ops.attention_decode reads in place: mlx-lm's
-    plain KVCache already holding tokens (unmasked), or the compiled decoder's fixed-capacity cache; else None."""
+    """(keys, values, offset [1] int32, plane, row_start, row_pos) of a cache that ops.attention_decode reads in
+    place: mlx-lm's plain KVCache already holding tokens (unmasked), its left-padded BatchKVCache (switch
+    batched_attn_decode: the kernel masks the padding itself), or a compiled decoder's cache; else None."""
     if type(cache) is KVCache and cache.keys is not None and mask is None:
-        return cache.keys, cache.values, mx.array([cache.offset], dtype=mx.int32), 0
+        return cache.keys, cache.values, mx.array([cache.offset], dtype=mx.int32), 0, None, None
+    if (type(cache) is BatchKVCache and cache.keys is not None and getattr(cache, "_right_padding", None) is None
+            and ops.enabled("batched_attn_decode")):
+        return (cache.keys, cache.values, mx.array([cache._idx], dtype=mx.int32), 0,
+                cache.left_padding.astype(mx.int32), cache.offset.astype(mx.int32))
     view = getattr(cache, "decode_view", None)
     return None if view is None else view()
 

@@ -828,3 +828,55 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     assert any("warm-up: decode steps of 1 to 3 rows" in r.getMessage() for r in caplog.records)
     cold, text = run(False, 3)
     assert cold == [] and text3 == text and text
+
+
+def test_batched_attn_decode_equals_the_generic_batch_attention(tiny_dir):
+    """batched_attn_decode (opt-in): a left-padded batch's decode attention through ops.attention_decode (each
+    row from its first column, at its own RoPE position), eager and compiled, gives the generic path's greedy
+    text for requests that join and leave."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    texts = ["Foxes", "A longer prompt about the habits of dogs and", "Models serve", "Late arrival:"]
+    calls = []
+    real = ops.attention_decode
+
+    def spy(*a, **k):
+        calls.append(k.get("row_start") is not None)
+        return real(*a, **k)
+
+    def run():
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs = [[] for _ in texts], []
+        try:
+            for i, t in enumerate(texts):
+                req = Request([tok.encode(t)], [[]], [30 - 5 * i], SamplingParams(temperature=0),
+                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+                time.sleep(0.05 * i)
+            deadline = time.monotonic() + 120
+            while not all(r.finished for r in reqs):
+                assert time.monotonic() < deadline, "requests did not finish"
+                time.sleep(0.01)
+        finally:
+            engine.stop()
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") for ev in events]
+
+    generic = run()
+    with ops.switched("batched_attn_decode", True):
+        import lily_mlx.model as model_mod
+
+        orig = model_mod.ops.attention_decode
+        model_mod.ops.attention_decode = spy
+        try:
+            fused = run()
+        finally:
+            model_mod.ops.attention_decode = orig
+    assert any(calls), "no batched row went through ops.attention_decode"
+    assert fused == generic and all(generic)
