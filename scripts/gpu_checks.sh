@@ -40,6 +40,10 @@ step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --mode
 step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
 step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
+for enable in "" "batched_attn_decode"; do
+  step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
+    --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$out/serve8${enable:+_$enable}.json"
+done
 step 60 0 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
   --json "$out/prefill_long.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
