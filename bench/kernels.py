@@ -265,6 +265,14 @@ def bench_op(switch: str, build, dims: dict, peak: float, reps: int) -> dict:
     return row
 
 
+def print_row(name: str, what: str, r: dict) -> None:
+    """One markdown row: ours, MLX's, the speedup and the check's error (FAIL and no timing when it failed)."""
+    ours = f"{r['us']:.1f} | {r['gbs']:.0f} | {r['pct_peak']:.0f}%" if r["ok"] else "FAIL | - | -"
+    speedup = f"{r['speedup']:.2f}x" if r["ok"] else "-"
+    print(f"| {name} | {what} | {r['bytes'] / 1e6:.2f} | {ours} | {r['stock_us']:.1f} | {r['stock_gbs']:.0f} | {speedup} | "
+          f"{r['err']:.1e} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -285,27 +293,14 @@ def main(argv=None) -> int:
         r = bench_shape(K, N, bits, peak, args.reps)
         r["what"] = what
         rows.append(r)
-        shape = f"1x{K}->{N} {bits}-bit"
-        if r["ok"]:
-            print(f"| {shape} | {what} | {r['bytes'] / 1e6:.2f} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_peak']:.0f}% | "
-                  f"{r['stock_us']:.1f} | {r['stock_gbs']:.0f} | {r['speedup']:.2f}x | {r['err']:.1e} |")
-        else:
-            print(f"| {shape} | {what} | {r['bytes'] / 1e6:.2f} | FAIL | - | - | {r['stock_us']:.1f} | "
-                  f"{r['stock_gbs']:.0f} | - | {r['err']:.1e} |")
-        sys.stdout.flush()
+        print_row(f"1x{K}->{N} {bits}-bit", what, r)
     print("\n| kernel | what | MB | ours us | ours GB/s | % peak | MLX us | MLX GB/s | speedup | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for switch, what, build in OP_ROWS:
         r = bench_op(switch, build, DIMS[args.shapes], peak, args.reps)
         r.update(kernel=switch, what=what)
         rows.append(r)
-        head = f"| {switch} | {what} | {r['bytes'] / 1e6:.2f} |"
-        if r["ok"]:
-            print(f"{head} {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_peak']:.0f}% | {r['stock_us']:.1f} | "
-                  f"{r['stock_gbs']:.0f} | {r['speedup']:.2f}x | {r['err']:.1e} |")
-        else:
-            print(f"{head} FAIL | - | - | {r['stock_us']:.1f} | {r['stock_gbs']:.0f} | - | {r['err']:.1e} |")
-        sys.stdout.flush()
+        print_row(switch, what, r)
     if args.json:
         args.json.write_text(json.dumps({"peak_bytes_per_s": peak, "shapes": args.shapes, "rows": rows}, indent=1))
     return 0 if all(r["ok"] for r in rows) else 1

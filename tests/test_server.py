@@ -741,11 +741,12 @@ def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
     assert compiled == eager
 
 
-def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir):
+def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkeypatch):
     """Three requests of different prompt lengths and lengths of output: once their rows are stable the batch
     decodes compiled (CompiledBatchDecoder); rows leaving and a late one joining write the state back. The
     greedy text equals the eager batched path's (compiled_decode off)."""
     import lily_mlx
+    import lily_mlx.model as model_mod
     from lily_mlx import ops
     from lily_mlx.server import engine as eng
     from lily_mlx.server.engine import Engine, Request
@@ -787,6 +788,17 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir):
         eager, seen_off = run()
     assert seen and not seen_off
     assert compiled == eager
+    # batched_attn_decode (opt-in): the left-padded rows' attention through ops.attention_decode (each row from
+    # its first column, at its own RoPE position), compiled and eager, gives the same text.
+    rows_taken = []
+    real = model_mod.ops.attention_decode
+    monkeypatch.setattr(model_mod.ops, "attention_decode",
+                        lambda *a, **k: rows_taken.append(k.get("row_start") is not None) or real(*a, **k))
+    with ops.switched("batched_attn_decode", True):
+        assert run()[0] == compiled
+        with ops.disabled("compiled_decode"):
+            assert run()[0] == compiled
+    assert any(rows_taken), "no batched row went through ops.attention_decode"
 
 
 def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
@@ -828,55 +840,3 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     assert any("warm-up: decode steps of 1 to 3 rows" in r.getMessage() for r in caplog.records)
     cold, text = run(False, 3)
     assert cold == [] and text3 == text and text
-
-
-def test_batched_attn_decode_equals_the_generic_batch_attention(tiny_dir):
-    """batched_attn_decode (opt-in): a left-padded batch's decode attention through ops.attention_decode (each
-    row from its first column, at its own RoPE position), eager and compiled, gives the generic path's greedy
-    text for requests that join and leave."""
-    import lily_mlx
-    from lily_mlx import ops
-    from lily_mlx.server.engine import Engine, Request
-    from lily_mlx.server.output import ChoiceOutput
-    from lily_mlx.server.schema import SamplingParams
-
-    model, tok = lily_mlx.load(str(tiny_dir))
-    texts = ["Foxes", "A longer prompt about the habits of dogs and", "Models serve", "Late arrival:"]
-    calls = []
-    real = ops.attention_decode
-
-    def spy(*a, **k):
-        calls.append(k.get("row_start") is not None)
-        return real(*a, **k)
-
-    def run():
-        engine = Engine(lambda: (model, tok)).start()
-        assert engine.ready.wait(30)
-        events, reqs = [[] for _ in texts], []
-        try:
-            for i, t in enumerate(texts):
-                req = Request([tok.encode(t)], [[]], [30 - 5 * i], SamplingParams(temperature=0),
-                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
-                reqs.append(req)
-                engine.submit(req)
-                time.sleep(0.05 * i)
-            deadline = time.monotonic() + 120
-            while not all(r.finished for r in reqs):
-                assert time.monotonic() < deadline, "requests did not finish"
-                time.sleep(0.01)
-        finally:
-            engine.stop()
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") for ev in events]
-
-    generic = run()
-    with ops.switched("batched_attn_decode", True):
-        import lily_mlx.model as model_mod
-
-        orig = model_mod.ops.attention_decode
-        model_mod.ops.attention_decode = spy
-        try:
-            fused = run()
-        finally:
-            model_mod.ops.attention_decode = orig
-    assert any(calls), "no batched row went through ops.attention_decode"
-    assert fused == generic and all(generic)
