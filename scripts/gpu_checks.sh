@@ -37,7 +37,8 @@ for graphs in "MLX_MAX_OPS_PER_BUFFER=400" "MLX_USE_CUDA_GRAPHS=0"; do
 done
 step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
   --ab-switch dequant --json "$out/prefill.json"
-step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
+# 512 decoded tokens a round: longer rounds average out more of the VM's CPU-speed drift (the 3% rule).
+step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 512 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
 step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
 for enable in "" "batched_attn_decode"; do
