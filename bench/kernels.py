@@ -68,9 +68,6 @@ def read_peak(reps: int, elements: int = 1 << 30) -> float:
     return 2 * elements / t
 
 
-def read_peak_small(reps: int) -> float:
-    return read_peak(reps, 1 << 22)
-
 
 def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
     nbytes = N * K * bits // 8 + 2 * N * (K // GROUP) * 2 + K * 2 + N * 2
@@ -284,7 +281,7 @@ def main(argv=None) -> int:
         print("no GPU backend: the kernels run on CUDA or Metal only (--shapes tiny checks the harness here)",
               file=sys.stderr)
         return 2
-    peak = read_peak(args.reps) if args.shapes == "model" else read_peak_small(args.reps)
+    peak = read_peak(args.reps, 1 << 30 if args.shapes == "model" else 1 << 22)
     rows = []
     print(f"read peak (mx.sum over {'2 GiB' if args.shapes == 'model' else '8 MiB'} of bf16): {peak / 1e9:.0f} GB/s\n")
     print("| shape | what | MB | qmv us | qmv GB/s | % peak | mx.qmm us | mx.qmm GB/s | speedup | rel err |")

@@ -36,7 +36,8 @@ class _StaticKV:
         self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
 
     def decode_view(self):
-        """(keys, values, offset [1], plane): the buffers ops.attention_decode reads before update_and_fetch."""
+        """(keys, values, offset [1], plane, row_start, row_pos): what ops.attention_decode reads before
+        update_and_fetch."""
         return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
@@ -49,13 +50,14 @@ class _StaticKV:
         return mx.arange(self.keys.shape[2])[None, :] <= pos  # [N, capacity]
 
 
-class _StackedKV:
+class _StackedKV(_StaticKV):
     """Attention layer `plane`'s view of the stacked cache [P*B, Hkv, capacity, D]: the fused attention reads
     its plane in place and hands its new row to `rows`, which the step writes for every layer at once (2
-    primitives per step instead of 2 per layer)."""
+    primitives per step instead of 2 per layer). The mask is _StaticKV's."""
 
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
-        self.keys, self.values, self.plane, self.offset, self.offset1, self.rows = keys, values, plane, offset, offset1, rows
+        super().__init__(keys, values, offset, offset1)
+        self.plane, self.rows = plane, rows
 
     def decode_view(self):
         return self.keys, self.values, self.offset1, self.plane, None, None
@@ -66,10 +68,6 @@ class _StackedKV:
         rows = slice(self.plane * B, (self.plane + 1) * B)
         return (mx.slice_update(self.keys[rows], k.astype(self.keys.dtype), self.offset1, axes=(2,)),
                 mx.slice_update(self.values[rows], v.astype(self.values.dtype), self.offset1, axes=(2,)))
-
-    def make_mask(self, N: int, **_) -> mx.array:
-        pos = self.offset + mx.arange(N)[:, None]
-        return mx.arange(self.keys.shape[2])[None, :] <= pos
 
 
 class _StaticBatchKV:
@@ -285,7 +283,6 @@ def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[in
     keys = mx.slice_update(keys, k_new, offset1, axes=(2,))
     values = mx.slice_update(values, v_new, offset1, axes=(2,))
     return (logits, *_flatten([(keys, values)], states))
-
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})

@@ -166,6 +166,11 @@ def make_processors(p: SamplingParams, max_new: int) -> list[tuple[Callable, Opt
     return procs
 
 
+def _as_batch(cache: list, n: int) -> list:
+    """A sequence's cache (KVCache / ArraysCache per layer) as n rows of batch caches (BatchKVCache / ArraysCache)."""
+    return [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in cache]
+
+
 class Engine:
     def __init__(self, loader: Callable[[], tuple[Any, Any]], *, max_batch: int = 32, max_queue: int = 64,
                  prefill_step: int = 512, prefix_cache: Optional[PrefixCache] = None,
@@ -272,8 +277,7 @@ class Engine:
             self.model(mx.zeros((1, 1), mx.int32), cache=cache)
             if b == 1 and CompiledDecoder.applicable(self.model, cache):
                 mx.eval(CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32)))
-            rows = [BatchKVCache.merge([c] * b) if isinstance(c, KVCache) else ArraysCache.merge([c] * b) for c in cache]
-            mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=rows))
+            mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b)))
         log.info("warm-up: decode steps of 1 to %d rows built in %.1f s", top, time.monotonic() - t0)
 
     def _iteration(self) -> bool:
@@ -334,7 +338,7 @@ class Engine:
         """The compiled sequence's state back into its cache, as a one-row batch the next rows can join."""
         self._solo.write_back()
         self._solo = None
-        self._cache = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c]) for c in self._cache]
+        self._cache = _as_batch(self._cache, 1)
 
     def _abort_all(self, error: APIError) -> None:
         with self._cv:
@@ -402,7 +406,7 @@ class Engine:
             self._leave_batched()
             if self._solo is not None:
                 self._leave_solo()
-            new = [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in job.cache]
+            new = _as_batch(job.cache, n)
             if self._cache is None:
                 self._cache = new
             else:
