@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
                          "with a bf16 MoE checkpoint)")
     ap.add_argument("--isolation", choices=("arm", "round"), default="arm",
                     help="a fresh process per arm for the whole run (default) or per arm and round")
+    ap.add_argument("--cpus", default="auto",
+                    help="CPUs the arm processes are pinned to: auto (the GPU's NUMA-local CPUs where Linux names a "
+                         "proper subset, else none), none, or a list such as 0-7,16")
     ap.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompt token ids")
     ap.add_argument("--trial-timeout", type=float, default=1800.0, help="seconds before a silent arm is declared hung")
     ap.add_argument("--json", dest="json_path", help="write the full report here")
@@ -118,6 +121,43 @@ def _child_env(arm: str) -> dict[str, str]:
     return env
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' (Linux's cpulist format) -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise BenchError(f"--cpus {text!r}: expected a list such as 0-7,16")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus(pci_root: Path = Path("/sys/bus/pci/devices")) -> Optional[set[int]]:
+    """The CPUs on the first NVIDIA GPU's NUMA node, when they are a proper subset of the usable ones: an arm
+    process the scheduler moves to the far node launches through the far socket, one source of round spread."""
+    usable = os.sched_getaffinity(0)
+    for dev in sorted(pci_root.glob("*")):
+        try:
+            if (dev / "vendor").read_text().strip() != "0x10de" or not (dev / "class").read_text().startswith("0x03"):
+                continue
+            local = parse_cpu_list((dev / "local_cpulist").read_text()) & usable
+        except (OSError, BenchError):
+            continue
+        return local if local and local != usable else None
+    return None
+
+
+def resolve_cpus(spec: str) -> Optional[list[int]]:
+    if spec == "none" or (spec == "auto" and not hasattr(os, "sched_setaffinity")):
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise BenchError(f"--cpus {spec}: pinning needs Linux's sched_setaffinity; give --cpus none")
+    cpus = gpu_local_cpus() if spec == "auto" else parse_cpu_list(spec)
+    if cpus is not None and not cpus <= os.sched_getaffinity(0):
+        raise BenchError(f"--cpus {spec}: CPUs {sorted(cpus - os.sched_getaffinity(0))} are not usable here")
+    return sorted(cpus) if cpus else None
+
+
 class Stopped(Exception):
     """SIGTERM arrived: report the finished rows and kill the arm processes."""
 
@@ -137,7 +177,9 @@ class Worker:
         self.log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", f"{__package__}.arm", "--arm", arm, "--model", str(model),
                "--prefill-step-size", str(args.prefill_step_size)] + (["--dtype", args.dtype] if args.dtype else [])
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=_child_env(arm))
+        pin = (lambda: os.sched_setaffinity(0, args.cpu_set)) if args.cpu_set else None
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env=_child_env(arm), preexec_fn=pin)
         self.timeout = args.trial_timeout
         self.info: dict = {}
 
@@ -204,8 +246,10 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
             values = [t[k] for t in rounds]
             spread[k] = (max(values) - min(values)) / median[k] if median[k] > 0 else float("inf")
             if spread[k] > max_drift:
+                gaps = [t["decode_gap_ms"]["p50"] for t in rounds if k == "decode_tps" and t.get("decode_gap_ms")]
                 reasons.append(f"{arm}: {k} spreads {100 * spread[k]:.1f}% across rounds (limit {100 * max_drift:.1f}%): "
-                               + ", ".join(f"{v:.1f}" for v in values))
+                               + ", ".join(f"{v:.1f}" for v in values)
+                               + (f" (median token gap {', '.join(f'{x:.2f}' for x in gaps)} ms)" if gaps else ""))
         digests = [t["digest"] for t in rounds]
         if len(set(digests)) > 1:
             other = next(t for t in rounds if t["digest"] != digests[0])
@@ -216,7 +260,7 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
         entry = {
             "median": median, "spread": spread, "digest": digests[0],
             "distinct_tokens": rounds[0]["distinct_tokens"],
-            "rounds": [{k: t[k] for k in (*METRICS, "digest", "reported") if k in t} for t in rounds],
+            "rounds": [{k: t[k] for k in (*METRICS, "digest", "reported", "decode_gap_ms") if k in t} for t in rounds],
         }
         if bytes_step:
             entry["bandwidth_gbps"] = bytes_step["total"] * median["decode_tps"] / b / 1e9
@@ -355,6 +399,17 @@ def versions() -> dict:
     return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "lily_mlx": lily_mlx.__version__, "python": platform.python_version()}
 
 
+def _cpu_text(cpus: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> '0-3,8'."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def markdown(report: dict) -> str:
     base = report["baseline"]
     hw = report["hardware"]
@@ -364,7 +419,8 @@ def markdown(report: dict) -> str:
         f"{report['date']} · {hw.get('gpu_name') or hw.get('cpu')} ({hw.get('backend')}) · MLX {report['versions']['mlx']} · "
         f"mlx-lm {report['versions']['mlx_lm']} · commit {(report['git'].get('commit') or 'unknown')[:10]}"
         f"{' (dirty)' if report['git'].get('dirty') else ''} · {report['settings']['num_trials']} rounds, median, "
-        f"max drift {100 * report['settings']['max_drift']:.1f}%",
+        f"max drift {100 * report['settings']['max_drift']:.1f}%"
+        f"{' · arms pinned to CPUs ' + _cpu_text(report['settings'].get('cpu_set')) if report['settings'].get('cpu_set') else ''}",
         "",
         f"| prompt | gen | batch | arm | prefill tok/s | TTFT s | decode tok/s | peak GB | GB/s | decode x {base} | prefill x {base} | status |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -458,6 +514,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.num_trials < 2:
             raise BenchError(f"-n {args.num_trials}: the drift check needs at least 2 rounds")
         arms = expand_arms(args.arms)
+        args.cpu_set = resolve_cpus(args.cpus)
         model, manifest = resolve_model(args)
         from .traffic import DecodeTraffic
 

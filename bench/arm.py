@@ -149,17 +149,20 @@ def _trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int
     mx.reset_peak_memory()
     if b == 1:
         t0 = time.perf_counter()
-        first, tokens, last = None, [], None
+        stamps, tokens, last = [], [], None
         for r in loop.stream_generate(model, tokenizer, mx.array(ids[0]), max_tokens=g, prefill_step_size=prefill_step):
-            if first is None:
-                first = time.perf_counter()
+            stamps.append(time.perf_counter())
             tokens.append(int(r.token))
             last = r
         end = time.perf_counter()
-        if first is None:
+        if not stamps:
             raise ArmError("the loop yielded no tokens")
-        ttft, decode_time = first - t0, end - first
+        ttft, decode_time = stamps[0] - t0, end - stamps[0]
         out = {"tokens": [tokens], "ttft_s": ttft, "decode_time_s": decode_time, "decode_tokens": len(tokens) - 1}
+        if len(stamps) > 1:  # per-token gaps tell a stall (a high max) from a slower CPU (a higher median)
+            gaps = sorted(1e3 * (b - a) for a, b in zip(stamps, stamps[1:]))
+            out["decode_gap_ms"] = {q: gaps[min(len(gaps) - 1, int(f * len(gaps)))]
+                                    for q, f in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("max", 1.0))}
         out["reported"] = {k: getattr(last, k, None) for k in ("prompt_tps", "generation_tps", "peak_memory")}
     else:
         t0 = time.perf_counter()
@@ -182,6 +185,7 @@ def _trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int
 def _finish(out: dict, p: int, b: int, factor: float) -> dict:
     out["ttft_s"] *= factor
     out["decode_time_s"] *= factor
+    out["decode_gap_ms"] = {q: factor * v for q, v in out.get("decode_gap_ms", {}).items()} or None
     out["prefill_tps"] = p * b / out["ttft_s"]
     out["decode_tps"] = out["decode_tokens"] / out["decode_time_s"] if out["decode_time_s"] > 0 else float("nan")
     out["digest"] = digest(out["tokens"])
@@ -240,7 +244,8 @@ def main(argv=None) -> int:
         send(event="ready", arm=args.arm, load_s=load_s, model_engine=model_engine, loop_engine=loop_engine,
              loop_module=loop.__name__, backend=backend, vocab=vocab, **kernels,
              device_info={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in mx.device_info().items()},
-             mlx=mx.__version__, mlx_lm=mlx_lm.__version__, pid=os.getpid())
+             mlx=mx.__version__, mlx_lm=mlx_lm.__version__, pid=os.getpid(),
+             cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
     except Exception as e:
         send(event="error", message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         return 1

@@ -117,9 +117,10 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
     # CPU timings are noisy: the drift limit is lifted here and tested on its own below.
     # Batch 1 runs stream_generate, batch 2 batch_generate.
     rc, out = _bench(tmp_path, "--model-dir", str(tiny_bf16), "--arms", f"stock,{LILY_ARM}", "--max-drift", "100",
-                     "-b", "1", "2", "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"))
+                     "-b", "1", "2", "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png"), "--cpus", "0")
     report = json.loads(out.read_text())
     assert rc == 0, [r["reasons"] for r in report["rows"]]
+    assert report["settings"]["cpu_set"] == [0] and all(i["cpus"] == [0] for infos in report["arms"].values() for i in infos)
     assert report["schema"] == ab.SCHEMA and report["ok"] and report["baseline"] == "stock"
     for key in ("date", "hardware", "versions", "git", "settings", "model", "arms", "rows"):
         assert key in report
@@ -135,6 +136,8 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
             m = e["median"]
             assert m["prefill_tps"] > 0 and m["decode_tps"] > 0 and m["ttft_s"] > 0 and m["peak_memory_gb"] > 0
             assert e["bandwidth_gbps"] > 0 and e["distinct_tokens"] > 1
+            gaps = [t["decode_gap_ms"] for t in e["rounds"]]
+            assert all(0 < g["p10"] <= g["p50"] <= g["max"] for g in gaps) if row["batch_size"] == 1 else gaps == [None, None]
         assert row["arms"]["stock"]["vs_baseline"] == {"decode": 1.0, "prefill": 1.0, "ttft": 1.0}
         assert row["bytes_per_decode_step"]["total"] > row["bytes_per_decode_step"]["dense_weights"] > 0
     assert "| 16 | 4 | 1 | stock |" in (tmp_path / "t.md").read_text()
@@ -161,8 +164,35 @@ def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
     assert rc == 1 and not report["ok"]
     (row,) = report["rows"]
     assert row["status"] == "refused"
-    assert any(r.startswith("stock: decode_tps spreads") for r in row["reasons"]), row["reasons"]
+    (reason,) = [r for r in row["reasons"] if r.startswith("stock: decode_tps spreads")]
+    gap0, gap1 = (t["decode_gap_ms"]["p50"] for t in row["arms"]["stock"]["rounds"])
+    assert gap1 > 100 * gap0 and f"median token gap {gap0:.2f}, {gap1:.2f} ms" in reason
     assert report["settings"]["perturbation"] == "stock:1:1000"
+
+
+def test_cpu_pinning_reads_the_gpus_numa_node(tmp_path, monkeypatch):
+    assert ab.parse_cpu_list("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("3-1", "a", "1-x"):
+        with pytest.raises(ab.BenchError, match="--cpus"):
+            ab.parse_cpu_list(bad)
+
+    def device(name, vendor, cls, cpus):
+        d = tmp_path / name
+        d.mkdir()
+        for f, text in (("vendor", vendor), ("class", cls), ("local_cpulist", cpus)):
+            (d / f).write_text(text + "\n")
+
+    monkeypatch.setattr(ab.os, "sched_getaffinity", lambda pid: set(range(16)))
+    device("0000:00:01.0", "0x8086", "0x030000", "0-7")  # another vendor's display device
+    device("0000:00:02.0", "0x10de", "0x068000", "0-7")  # an NVIDIA bridge, not a GPU
+    assert ab.gpu_local_cpus(tmp_path) is None
+    device("0000:17:00.0", "0x10de", "0x030200", "8-15")
+    assert ab.gpu_local_cpus(tmp_path) == set(range(8, 16))
+    (tmp_path / "0000:17:00.0" / "local_cpulist").write_text("0-15\n")  # one NUMA node: nothing to pin
+    assert ab.gpu_local_cpus(tmp_path) is None
+    assert ab.resolve_cpus("none") is None and ab.resolve_cpus("2-3") == [2, 3]
+    with pytest.raises(ab.BenchError, match=r"CPUs \[16\] are not usable"):
+        ab.resolve_cpus("15-16")
 
 
 def test_bench_sigterm_keeps_the_finished_rows(tmp_path, tiny_bf16):

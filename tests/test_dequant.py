@@ -51,9 +51,8 @@ def test_metal_emulated_matches_oracle(tmp_path):
         _check(got, q, s, b, group, bits, odt)
 
 
-def test_dispatcher_is_off_by_default_and_never_on_cpu(monkeypatch):
+def test_dispatcher_never_runs_on_cpu_and_obeys_its_switch(monkeypatch):
     q, s, b = _weights(4, 128, 64, 4, BF16)
-    assert not ops.enabled("dequant")
     called = []
     monkeypatch.setitem(ops._kernels, "dequant", lambda *a, **k: called.append(1))
     want = mx.dequantize(q, s, b, group_size=64, bits=4)
@@ -61,10 +60,10 @@ def test_dispatcher_is_off_by_default_and_never_on_cpu(monkeypatch):
         got = ops.dequantize(q, s, b, group_size=64, bits=4, dtype=BF16)  # CPU: the kernel is not tried
     assert not called and mx.array_equal(got, want).item()
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    ops.dequantize(q, s, b, group_size=64, bits=4, dtype=F32)
-    assert not called  # off by default
-    with ops.switched("dequant", True):
+    with ops.switched("dequant", False):
         ops.dequantize(q, s, b, group_size=64, bits=4, dtype=F32)
+    assert not called
+    ops.dequantize(q, s, b, group_size=64, bits=4, dtype=F32)  # on by default
     assert called == [1]
 
 

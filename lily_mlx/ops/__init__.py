@@ -149,9 +149,10 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-# H200 (bench/launch_cost.py): an #include'd source costs 2-8 us less per launch than our 4.6-11.5 KB inline ones;
-# bit-identical output. The whole decode step's A/B is still to be measured cleanly (BENCHMARKS.md).
-register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch")
+# Off: H200, 2026-12-03 (bench/profile_decode.py --ab-switch, each arm its own trace) the whole decode step took
+# 3.58 ms with it, 3.17 ms without, though bench/launch_cost.py had measured 2-8 us less per single launch.
+register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
+                default_on=False)
 
 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
