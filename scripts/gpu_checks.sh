@@ -4,6 +4,8 @@
 # NVIDIA machine with MLX's CUDA build importable (the server step needs the `server` extra); reports go
 # to ${OUT:-gpu-results}/.
 #   bash scripts/gpu_checks.sh [seconds available, default 560]
+# TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
+#   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,28 +25,25 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
 }
 model=${MODEL:-/tmp/r35}
 [ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
-step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
+# The bench pins its arms to the GPU's NUMA node where the machine has more than one: say which.
+(lscpu | grep -i "numa\|^cpu(s)\|model name"; for d in /sys/bus/pci/devices/*; do
+  [ "$(cat "$d/vendor")" = 0x10de ] && grep -q '^0x03' "$d/class" && echo "GPU $(basename "$d") local CPUs $(cat "$d/local_cpulist")"
+done) 2>/dev/null
+if [ -n "${TESTS:-}" ]; then
+  step 90 150 "tests on the GPU: $TESTS" python3 -m pytest -q -n 8 -p no:cacheprovider $TESTS
+else
+  step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
+fi
 wait
-step 60 80 "decode step, stacked_kv on vs off" python3 -m bench.profile_decode --model "$model" --context 256 4096 \
-  --no-ops --ab-switch stacked_kv --json "$out/decode_ab.json"
-step 60 70 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 256 \
-  --no-ops --ab-switch cuda_source_files --json "$out/decode_ab_source_files.json"
-# MLX's CUDA backend records kernels into CUDA graphs (at most 100 per graph on sm_90); a CPU-bound step may do
-# better with one graph per step or with plain launches. Each setting is read once per process.
-for graphs in "MLX_MAX_OPS_PER_BUFFER=400" "MLX_USE_CUDA_GRAPHS=0"; do
-  step 50 60 "decode step with $graphs" env "$graphs" python3 -m bench.profile_decode --model "$model" --context 256 \
-    --no-ops --json "$out/decode_${graphs%%=*}.json"
-done
-step 60 90 "prefill, dequant v2 flipped" python3 -m bench.profile_prefill --model "$model" --tokens 2048 \
-  --ab-switch dequant --json "$out/prefill.json"
-# 512 decoded tokens a round: longer rounds average out more of the VM's CPU-speed drift (the 3% rule).
-step 100 170 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 512 -n 3 --arms stock,lily \
+step 100 240 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 4096 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
-step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
+step 60 130 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
+  --no-bounded --json "$out/prefill_long.json"
+step 50 60 "decode step, all defaults" python3 -m bench.profile_decode --model "$model" --context 256 4096 \
+  --no-ops --json "$out/decode.json"
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$out/serve8${enable:+_$enable}.json"
 done
-step 60 0 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
-  --json "$out/prefill_long.json"
+step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"

@@ -295,6 +295,10 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert row["tokens"] == 70 and row["bounded"]["prefill_s"] > 0 and "deltanet_chunk off" in row["flipped"]
     assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
+    assert prefill.main(["--model", model, "--tokens", "33", "--whole-only", "--no-bounded",
+                         "--json", str(tmp_path / "w.json")]) == 0
+    (row,) = json.loads((tmp_path / "w.json").read_text())["rows"]
+    assert row["prefill_s"] > 0 and "bounded" not in row and "parts" not in row
     assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv",
                         "--json", str(tmp_path / "d.json")]) == 0
     report = json.loads((tmp_path / "d.json").read_text())
