@@ -235,14 +235,14 @@ def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
     kw = dict(group_size=32, bits=4)
     want = R.quantized_matmul(x, q, s, b, **kw)
     calls = []
-    real = mx.dequantize
-    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ops.dequantize  # with the dequant kernel off (it has tests of its own): mx.dequantize
+    monkeypatch.setattr(ops, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_ROWS", rows)
     monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", N * K)
     for backend, on, taken in [("cuda", True, 1), ("cuda", False, 0), ("metal", True, 0), ("cpu", True, 0)]:
         monkeypatch.setattr(ops, "backend", lambda: backend)
         calls.clear()
-        with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", on):  # qmv: the few-row kernel
+        with ops.disabled("qmv", "dequant"), ops.switched("dense_dequant_gemm", on):  # qmv: the few-row kernel
             got = ops.quantized_matmul(x, q, s, b, **kw)
             normed = ops.norm_quantized_matmul(x, nw, 1e-6, q, s, b, **kw)
             added = ops.quantized_matmul_add(x, q, s, b, res, **kw)
@@ -251,7 +251,7 @@ def test_many_rows_projection_dequantized_gemm_dispatch_and_result(monkeypatch):
         assert rel(normed, R.quantized_matmul(R.rms_norm(x, nw, 1e-6), q, s, b, **kw)) < 1e-5
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     calls.clear()
-    with ops.disabled("qmv"), ops.switched("dense_dequant_gemm", True):
+    with ops.disabled("qmv", "dequant"), ops.switched("dense_dequant_gemm", True):
         ops.quantized_matmul(x[:, :rows - 1], q, s, b, **kw)
         monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", N * K + 1)
         ops.quantized_matmul(x, q, s, b, **kw)
