@@ -247,9 +247,11 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
             spread[k] = (max(values) - min(values)) / median[k] if median[k] > 0 else float("inf")
             if spread[k] > max_drift:
                 gaps = [t["decode_gap_ms"]["p50"] for t in rounds if k == "decode_tps" and t.get("decode_gap_ms")]
+                steal = [t["steal_pct"] for t in rounds if "steal_pct" in t]
+                notes = ([f"median token gap {', '.join(f'{x:.2f}' for x in gaps)} ms"] if gaps else []) + (
+                    [f"CPU steal {', '.join(f'{x:.1f}' for x in steal)}%"] if len(steal) == len(rounds) else [])
                 reasons.append(f"{arm}: {k} spreads {100 * spread[k]:.1f}% across rounds (limit {100 * max_drift:.1f}%): "
-                               + ", ".join(f"{v:.1f}" for v in values)
-                               + (f" (median token gap {', '.join(f'{x:.2f}' for x in gaps)} ms)" if gaps else ""))
+                               + ", ".join(f"{v:.1f}" for v in values) + (f" ({'; '.join(notes)})" if notes else ""))
         digests = [t["digest"] for t in rounds]
         if len(set(digests)) > 1:
             other = next(t for t in rounds if t["digest"] != digests[0])
@@ -260,7 +262,8 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
         entry = {
             "median": median, "spread": spread, "digest": digests[0],
             "distinct_tokens": rounds[0]["distinct_tokens"],
-            "rounds": [{k: t[k] for k in (*METRICS, "digest", "reported", "decode_gap_ms") if k in t} for t in rounds],
+            "rounds": [{k: t[k] for k in (*METRICS, "digest", "reported", "decode_gap_ms", "process_cpu_s", "steal_pct")
+                        if k in t} for t in rounds],
         }
         if bytes_step:
             entry["bandwidth_gbps"] = bytes_step["total"] * median["decode_tps"] / b / 1e9

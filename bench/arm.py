@@ -130,15 +130,33 @@ def _perturbation(arm: str, round_index: int) -> float:
     return 1.0
 
 
+def cpu_ticks(stat: Path = Path("/proc/stat")) -> Optional[tuple[int, int]]:
+    """(steal, total) jiffies over all CPUs since boot, from Linux's /proc/stat (None elsewhere): the time a
+    hypervisor ran other guests on this VM's CPUs."""
+    try:
+        fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields[:8])) if len(fields) >= 8 else None
+
+
 def run_trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int, prefill_step: int) -> dict[str, Any]:
     """One timed generation. Python's cyclic GC is held off while it runs (in every arm alike): a collection
-    in the middle of a CPU-bound decode loop is one of the larger sources of round-to-round spread."""
+    in the middle of a CPU-bound decode loop is one of the larger sources of round-to-round spread. Also
+    reported: the CPU time this process used and the share of all CPUs' time the hypervisor stole, which tell
+    a slower machine from a slower engine when rounds spread."""
     gc.collect()
     gc.disable()
+    before, cpu0 = cpu_ticks(), time.process_time()
     try:
-        return _trial(model, tokenizer, loop, vocab, p, g, b, seed, prefill_step)
+        out = _trial(model, tokenizer, loop, vocab, p, g, b, seed, prefill_step)
     finally:
         gc.enable()
+    after = cpu_ticks()
+    out["process_cpu_s"] = time.process_time() - cpu0
+    if before and after:  # no jiffy elapsed (a trial under ~10 ms): nothing could be stolen either
+        out["steal_pct"] = 100 * (after[0] - before[0]) / max(1, after[1] - before[1])
+    return out
 
 
 def _trial(model, tokenizer, loop, vocab: int, p: int, g: int, b: int, seed: int, prefill_step: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from lily_mlx.cli import bench_package, main as cli_main
 
 bench = importlib.import_module(bench_package())
 ab = importlib.import_module(bench.__name__ + ".ab")
+arm_mod = importlib.import_module(bench.__name__ + ".arm")
 perplexity = importlib.import_module(bench.__name__ + ".perplexity")
 random_model = importlib.import_module(bench.__name__ + ".random_model")
 
@@ -167,7 +168,18 @@ def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
     (reason,) = [r for r in row["reasons"] if r.startswith("stock: decode_tps spreads")]
     gap0, gap1 = (t["decode_gap_ms"]["p50"] for t in row["arms"]["stock"]["rounds"])
     assert gap1 > 100 * gap0 and f"median token gap {gap0:.2f}, {gap1:.2f} ms" in reason
+    steal = [t["steal_pct"] for t in row["arms"]["stock"]["rounds"]]  # Linux: /proc/stat is there
+    assert all(0 <= x <= 100 for x in steal) and f"CPU steal {steal[0]:.1f}, {steal[1]:.1f}%" in reason
+    assert all(t["process_cpu_s"] > 0 for t in row["arms"]["stock"]["rounds"])
     assert report["settings"]["perturbation"] == "stock:1:1000"
+
+
+def test_cpu_ticks_reads_steal_and_total(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 50 1000 20 1 2 30 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert arm_mod.cpu_ticks(stat) == (30, 1208)
+    stat.write_text("garbage\n")
+    assert arm_mod.cpu_ticks(stat) is None and arm_mod.cpu_ticks(tmp_path / "missing") is None
 
 
 def test_cpu_pinning_reads_the_gpus_numa_node(tmp_path, monkeypatch):
