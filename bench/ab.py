@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib
 import itertools
 import json
@@ -380,17 +381,33 @@ def hardware(infos: dict) -> dict:
     return hw
 
 
+SOURCE_DIRS = ("lily_mlx", "kernels", "bench")
+
+
+def source_digest(root: Path) -> str:
+    """sha256 prefix of the code that ran (every file under SOURCE_DIRS but caches): names the tree where a
+    copied .git is stale or missing (a GPU lease's copy of the working tree). `python -m bench.ab --digest`
+    prints it for a local checkout, to match a report against a commit."""
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def git_info() -> dict:
     root = Path(__file__).resolve().parents[1]
+    info: dict[str, Any] = {"commit": None, "source_digest": source_digest(root)}
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None}
-    if commit.returncode != 0:
-        return {"commit": None}
-    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+        return info
+    if commit.returncode == 0:
+        info.update(commit=commit.stdout.strip(), dirty=bool(dirty.stdout.strip()))
+    return info
 
 
 def versions() -> dict:
@@ -421,7 +438,8 @@ def markdown(report: dict) -> str:
         "",
         f"{report['date']} · {hw.get('gpu_name') or hw.get('cpu')} ({hw.get('backend')}) · MLX {report['versions']['mlx']} · "
         f"mlx-lm {report['versions']['mlx_lm']} · commit {(report['git'].get('commit') or 'unknown')[:10]}"
-        f"{' (dirty)' if report['git'].get('dirty') else ''} · {report['settings']['num_trials']} rounds, median, "
+        f"{' (dirty)' if report['git'].get('dirty') else ''} · source {report['git'].get('source_digest', '?')} · "
+        f"{report['settings']['num_trials']} rounds, median, "
         f"max drift {100 * report['settings']['max_drift']:.1f}%"
         f"{' · arms pinned to CPUs ' + _cpu_text(report['settings'].get('cpu_set')) if report['settings'].get('cpu_set') else ''}",
         "",
@@ -506,6 +524,9 @@ def run_kernels(argv: list[str]) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--digest"]:
+        print(source_digest(Path(__file__).resolve().parents[1]))
+        return 0
     if "--kernels" in argv:
         argv.remove("--kernels")
         return run_kernels(argv)

@@ -23,6 +23,8 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
   echo "== $name ($(left) s left, limit $limit s)"
   timeout "$limit" "$@" 2>&1 | grep -v "incorrect regex pattern"
 }
+# The copied .git may be stale there: the digest of the code names the tree (python -m bench.ab --digest here).
+echo "source digest $(python3 -m bench.ab --digest)"
 model=${MODEL:-/tmp/r35}
 [ -f "$model/config.json" ] || (python3 -m bench.random_model --out "$model" | tail -1) &
 # The bench pins its arms to the GPU's NUMA node where the machine has more than one: say which.

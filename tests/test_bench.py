@@ -126,6 +126,7 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
     for key in ("date", "hardware", "versions", "git", "settings", "model", "arms", "rows"):
         assert key in report
     assert report["versions"]["mlx"] == mx.__version__ and report["hardware"]["backend"] == "cpu"
+    assert f"source {report['git']['source_digest']}" in (tmp_path / "t.md").read_text()
     assert report["settings"]["arms"] == ["stock", LILY_ARM] and report["settings"]["num_trials"] == 2
     assert [(r["prompt_tokens"], r["generation_tokens"], r["batch_size"], r["status"]) for r in report["rows"]] == [
         (16, 4, 1, "ok"), (16, 4, 2, "ok")]
@@ -172,6 +173,20 @@ def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
     assert all(0 <= x <= 100 for x in steal) and f"CPU steal {steal[0]:.1f}, {steal[1]:.1f}%" in reason
     assert all(t["process_cpu_s"] > 0 for t in row["arms"]["stock"]["rounds"])
     assert report["settings"]["perturbation"] == "stock:1:1000"
+
+
+def test_source_digest_names_the_code_that_ran(tmp_path, capsys):
+    for d in ab.SOURCE_DIRS:
+        (tmp_path / d / "__pycache__").mkdir(parents=True)
+        (tmp_path / d / "a.py").write_text("x = 1\n")
+    first = ab.source_digest(tmp_path)
+    (tmp_path / "bench" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")  # caches do not count
+    (tmp_path / "README.md").write_text("outside the source folders\n")
+    assert ab.source_digest(tmp_path) == first
+    (tmp_path / "kernels" / "a.py").write_text("x = 2\n")
+    assert ab.source_digest(tmp_path) != first
+    assert ab.main(["--digest"]) == 0
+    assert capsys.readouterr().out.strip() == ab.source_digest(ab.Path(ab.__file__).resolve().parents[1])
 
 
 def test_cpu_ticks_reads_steal_and_total(tmp_path):
