@@ -21,8 +21,6 @@ from mlx.utils import tree_flatten
 from .kernels import wall_time
 
 
-BOUND_HEADROOM = 2 << 30  # the bounded_prefill variant timed beside each length
-
 
 def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3,
                  headroom: Optional[int] = None) -> tuple[float, float]:
@@ -164,7 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
                     help="also time the whole prefill with each of these switches flipped, in the same process")
     ap.add_argument("--whole-only", action="store_true", help="time the whole prefill only, not each part")
-    ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variant of each length")
+    ap.add_argument("--headroom", type=float, nargs="+", default=[2.0], metavar="GB",
+                    help="also time each length with the run-ahead bounded at these headrooms (lily_mlx.memory)")
+    ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' two paths by token count")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
@@ -181,11 +181,11 @@ def main(argv=None) -> int:
         row = {"tokens": T, "prefill_s": total, "tok_s": T / total, "peak_gb": peak, "flipped": {}}
         print(f"{T} tokens: prefill {total * 1e3:.1f} ms ({T / total:.0f} tok/s), peak memory {peak:.2f} GB "
               f"(weights + {peak - weights_gb:.2f})", flush=True)
-        if not args.no_bounded:
-            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, headroom=BOUND_HEADROOM)
-            row["bounded"] = {"headroom_gb": BOUND_HEADROOM / 2**30, "prefill_s": t, "tok_s": T / t, "peak_gb": pk}
-            print(f"  run-ahead bounded ({BOUND_HEADROOM / 2**30:.0f} GB headroom): {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
-                  f"peak {pk:.2f} GB", flush=True)
+        for gb in [] if args.no_bounded else args.headroom:
+            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, headroom=int(gb * 2**30))
+            row.setdefault("bounded", []).append({"headroom_gb": gb, "prefill_s": t, "tok_s": T / t, "peak_gb": pk})
+            print(f"  run-ahead bounded ({gb:g} GB headroom): {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
+                  f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
         for name in args.ab_switch:
             on = not ops.enabled(name)
             with ops.switched(name, on):

@@ -41,6 +41,9 @@ step 100 240 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 4096 
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
 step 60 130 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
   --no-bounded --json "$out/prefill_long.json"
+# Issue 5's memory bound (<= weights + 3 GB at 8192 tokens): how much speed each run-ahead cap costs.
+step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+  --whole-only --headroom 0.5 1 2 --json "$out/prefill_capped.json"
 step 50 60 "decode step, all defaults" python3 -m bench.profile_decode --model "$model" --context 256 4096 \
   --no-ops --json "$out/decode.json"
 for enable in "" "batched_attn_decode"; do
