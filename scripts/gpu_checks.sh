@@ -37,6 +37,8 @@ else
   step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
 fi
 wait
+# A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
+step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$out/launch_cost.json"
 step 100 240 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 4096 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
 step 60 130 "prefill at 65,536 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 65536 --whole-only \
