@@ -102,6 +102,16 @@ LILY_INLINE float lily_sigmoid(float v) { return 1.0f / (1.0f + lily_exp(-v)); }
 LILY_INLINE float lily_nan() { return LILY_AS_FLOAT(0x7FC00000u); }
 LILY_INLINE float lily_neg_inf() { return LILY_AS_FLOAT(0xFF800000u); }
 
+// The largest v over the 32 lanes of a warp, on every lane.
+LILY_INLINE float lily_warp_max(float v) {
+  LILY_UNROLL
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = lily_shfl_xor(v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
 // The router's top-K of one row of E logits, computed by one warp (every lane ends with the same
 // answer): ids[j] in descending logit order, ties to the lower id; weights[j] the softmax
 // probabilities, renormalised over the K chosen when NORMTOPK (exp(l_j - l_0) / sum_K), else over

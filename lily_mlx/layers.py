@@ -131,11 +131,19 @@ def normed(layer, x: mx.array, norm: "RMSNorm") -> mx.array:
     return layer(norm(x))
 
 
+def output_weights(layer, residual: mx.array, dtype) -> Optional[tuple]:
+    """((w, scales, biases), group_size, bits) of a quantized, bias-free layer whose output adds to residual in
+    dtype (output projections, which the kernels fuse with the add); else None."""
+    if _quantized(layer) and "bias" not in layer and residual.dtype == dtype:
+        return (layer["weight"], layer["scales"], layer["biases"]), layer.group_size, layer.bits
+    return None
+
+
 def added(layer, x: mx.array, residual: mx.array) -> mx.array:
     """residual + layer(x): one launch where the layer is quantized and bias-free (output projections)."""
-    if _quantized(layer) and "bias" not in layer and residual.dtype == x.dtype:
-        return ops.quantized_matmul_add(x, layer["weight"], layer["scales"], layer["biases"], residual,
-                                        group_size=layer.group_size, bits=layer.bits)
+    q = output_weights(layer, residual, x.dtype)
+    if q is not None:
+        return ops.quantized_matmul_add(x, *q[0], residual, group_size=q[1], bits=q[2])
     return residual + layer(x)
 
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCa
 
 from . import ops
 from .config import ModelConfig
-from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, normed
+from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, normed, output_weights
 
 
 class Attention(nn.Module):
@@ -52,10 +52,15 @@ class Attention(nn.Module):
         kv = _decode_kv(cache, mask) if L == 1 else None
         if kv is not None:  # one token over a cache the fused decode attention reads in place
             keys, values, offset, plane, row_start, row_pos = kv
-            out, k_new, v_new = ops.attention_decode(
-                proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset, n_heads=Hq,
-                n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta, scale=self.scale, plane=plane,
-                row_start=row_start, row_pos=row_pos)
+            args = (proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset)
+            kw = dict(n_heads=Hq, n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta,
+                      scale=self.scale, plane=plane, row_start=row_start, row_pos=row_pos)
+            o = None if residual is None else output_weights(self.o_proj, residual, proj.dtype)
+            if o is not None:  # through o_proj and the residual add in one op
+                h, k_new, v_new = ops.attention_decode_add(*args, o[0], residual, group_size=o[1], bits=o[2], **kw)
+                cache.update_and_fetch(k_new, v_new)
+                return h
+            out, k_new, v_new = ops.attention_decode(*args, **kw)
             cache.update_and_fetch(k_new, v_new)
             return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
         q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)

@@ -19,7 +19,7 @@ from emulator import GXX, Emulator
 from lily_mlx import ops
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.ops import attn_decode as ad
-from lily_mlx.ops import reference
+from lily_mlx.ops import kernels, qmv, reference
 
 F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
 TOL = {F32: 2e-5, BF16: 1.5e-2, F16: 3e-3}  # the output's rounding; bf16 also the rounded q/k feeding the scores
@@ -132,20 +132,57 @@ def test_metal_emulated_matches_reference(tmp_path):
         rows = [r for r in case.rows() if r is not None] or [zero, zero]
         emu.add(ad.SPEC, inst, [*args, plane, *rows], (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
     first = emu.run()
-    combine = Emulator(tmp_path / "b")
+    second = Emulator(tmp_path / "b")  # each split case's partials, merged by attn_combine and by qmv_attn
     (tmp_path / "b").mkdir()
     for c, case in enumerate(EMULATED):
         if case.nsplit > 1:
             proj = case.arrays(c)[0]
             inst = ad.combine_instance(case.dtype, case.B, case.Hq, case.Hkv, case.D, case.nsplit)
             threads = 32 * ad.COMBINE_WARPS
-            n = combine.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * threads, 1, 1),
-                            (threads, 1, 1), [(case.B, 1, case.Hq * case.D)])
-            splits.append((c, n))
-    merged = dict((c, combine.run()[n][0]) for c, n in splits) if splits else {}
+            n = second.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * threads, 1, 1),
+                           (threads, 1, 1), [(case.B, 1, case.Hq * case.D)])
+            o_proj, res = _o_proj(case, c)
+            inst, grid, group = _qmv_attn_launch(case, o_proj)
+            m = second.add(qmv.ATTN_SPEC, inst, [first[c][3], first[c][4], proj, *o_proj[:3], res], grid, group,
+                           [(case.B, 1, o_proj[0].shape[0])])
+            splits.append((c, n, m))
+    outs = second.run() if splits else []
+    merged = {c: (outs[n][0], outs[m][0]) for c, n, m in splits}
     for c, case in enumerate(EMULATED):
-        out = merged[c] if case.nsplit > 1 else first[c][0]
-        _check(case, (out, first[c][1], first[c][2]), case.reference(case.arrays(c)))
+        ref = case.reference(case.arrays(c))
+        out = merged[c][0] if case.nsplit > 1 else first[c][0]
+        _check(case, (out, first[c][1], first[c][2]), ref)
+        if case.nsplit > 1:
+            o_proj, res = _o_proj(case, c)
+            _check_projected(case, merged[c][1], ref[0], o_proj, res)
+
+
+def _o_proj(case, seed):
+    """An odd-sized quantized output projection [N, Hq*D] (4-bit, or 8-bit for even seeds) and its residual."""
+    k = mx.random.split(mx.random.key(100 + seed), 2)
+    N, K = 37 + 2 * seed, case.Hq * case.D
+    w, scales, biases = mx.quantize(mx.random.normal((N, K), key=k[0]) * 0.05, group_size=32, bits=8 if seed % 2 == 0 else 4)
+    res = mx.random.normal((case.B, 1, N), key=k[1]).astype(case.dtype)
+    return (w, scales, biases, 8 if seed % 2 == 0 else 4), res
+
+
+def _qmv_attn_launch(case, o_proj):
+    w, scales, biases, bits = o_proj
+    M, K, N = kernels.row_bucket(case.B), case.Hq * case.D, w.shape[0]
+    inst = qmv.attn_instance(case.dtype, scales.dtype, M, case.Hq, case.Hkv, case.D, N, bits, 32, case.nsplit)
+    p = qmv.plan(M, K, N, bits)
+    return inst, (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1)
+
+
+def _check_projected(case, got, attn_ref, o_proj, res):
+    """qmv_attn's output against residual + the reference attention's output through the float32 oracle GEMV."""
+    w, scales, biases, bits = o_proj
+    with mx.stream(mx.cpu):
+        want = res.astype(F32) + reference.quantized_matmul_oracle(
+            attn_ref, w, scales.astype(F32), biases.astype(F32), group_size=32, bits=bits)
+    assert got.shape == res.shape and got.dtype == case.dtype
+    err = _rel(got, want)
+    assert err < TOL[case.dtype], f"{case}: qmv_attn relative error {err:.2e}"
 
 
 def test_reference_matches_the_unfused_attention():

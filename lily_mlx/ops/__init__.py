@@ -283,6 +283,22 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     return reference.attention_decode(*args, **kw)
 
 
+def attention_decode_add(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, o_proj, residual, *,
+                         n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float,
+                         group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None):
+    """residual + o_proj(attention_decode(...)): a decode token's attention through its quantized output projection,
+    o_proj = (w [N, Hq*D*bits/32], scales, biases [N, Hq*D/group]), and the residual add. Returns (h [B, 1, N], k_new,
+    v_new). With switch qmv_attn, a split cache's merge happens inside the projection (one launch fewer)."""
+    args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
+    kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
+              plane=plane, row_start=row_start, row_pos=row_pos)
+    out = _try("qmv_attn", *args, o_proj, residual, group_size=group_size, bits=bits, **kw)
+    if out is not None:
+        return out
+    attn, k_new, v_new = attention_decode(*args, **kw)
+    return quantized_matmul_add(attn, *o_proj, residual, group_size=group_size, bits=bits), k_new, v_new
+
+
 def moe_route(logits, top_k: int, normalize: bool):
     """Router logits [..., E] -> (expert indices [..., k], weights [..., k] float32)."""
     return reference.moe_route(logits, top_k, normalize)

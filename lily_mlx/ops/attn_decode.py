@@ -105,9 +105,10 @@ def _plane_array(plane: int) -> mx.array:
 
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
                      n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str, plane: int = 0,
-                     row_start=None, row_pos=None, init_value: Optional[float] = None):
+                     row_start=None, row_pos=None, init_value: Optional[float] = None, merge: bool = True):
     """(out [B, 1, Hq*D], k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, D]) or None when the kernels do not apply.
-    See ops.attention_decode for the arguments."""
+    See ops.attention_decode for the arguments. merge=False leaves a split cache's partials unmerged: out is
+    then (part_acc [B, Hq, NS, D], part_ml [B, Hq, NS, 2]) for qmv_attn to merge."""
     rows = None if row_start is None else (row_start, row_pos)
     key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
            offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
@@ -137,6 +138,8 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
                                  *(rows or (_plane_array(0), _plane_array(0)))], template,
         (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
         [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
+    if split and not merge:
+        return (part_acc, part_ml), k_new, v_new
     if split:
         threads = 32 * COMBINE_WARPS
         (out,) = kernels.call("attn_combine", backend, [part_acc, part_ml, proj], comb_template,
@@ -188,3 +191,28 @@ def _dispatch(*args, **kwargs):
 
 
 register_kernel("attn_decode", SPEC.description, _dispatch)
+
+
+def _dispatch_fold(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, o_proj, residual, *, group_size: int,
+                   bits: int, **kw):
+    """ops.attention_decode_add through attn_decode and qmv_attn (a split cache's merge inside o_proj's GEMV), or
+    None where either kernel does not apply (the caller then runs the unfused path)."""
+    from . import backend, enabled, quantized_matmul_add
+    from .qmv import qmv_attn
+
+    if not enabled("attn_decode"):
+        return None
+    res = attention_decode(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, **kw, backend=backend(),
+                           merge=False)
+    if res is None:
+        return None
+    out, k_new, v_new = res
+    if not isinstance(out, tuple):  # a short cache is not split: nothing to merge
+        return quantized_matmul_add(out, *o_proj, residual, group_size=group_size, bits=bits), k_new, v_new
+    h = qmv_attn(*out, proj, *o_proj, residual, n_kv_heads=kw["n_kv_heads"], group_size=group_size, bits=bits,
+                 backend=backend())
+    return None if h is None else (h, k_new, v_new)
+
+
+register_kernel("qmv_attn", "decode attention's split merge and output gate inside the o_proj GEMV: one launch "
+                "fewer per attention layer (not yet measured on a GPU)", _dispatch_fold, default_on=False)

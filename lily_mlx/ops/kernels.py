@@ -85,6 +85,7 @@ class KernelSpec:
     template_params: tuple[str, ...]  # names, in the order calls pass them
     description: str
     instances: Callable[[], list[Instance]]  # the instantiations the project uses (compile checks)
+    defines: tuple[str, ...] = ()  # LILY_* names whose #ifdef blocks of the body this kernel keeps
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -174,9 +175,39 @@ def header(backend: str, body_text: str = "") -> str:
     return read_source(f"prelude_{backend}.h") + common_header(body_text)
 
 
+_CONDITIONAL = re.compile(r"#\s*(ifdef|ifndef|if|else|elif|endif)\b\s*(\w*)")
+
+
+def select_blocks(text: str, defines: Sequence[str]) -> str:
+    """text with its `#ifdef LILY_X` / `#ifndef LILY_X` / `#else` / `#endif` blocks resolved for `defines`: one
+    body serves kernel variants with different inputs, and each variant's source (which MLX hashes on every
+    launch) holds only its own lines. Other conditionals pass through to the compiler."""
+    out, stack = [], []  # stack: (ours, keep) per open conditional
+    for line in text.splitlines():
+        m = _CONDITIONAL.match(line.strip())
+        kind = m.group(1) if m else None
+        if kind in ("ifdef", "ifndef") and m.group(2).startswith("LILY_"):
+            stack.append((True, (m.group(2) in defines) == (kind == "ifdef")))
+            continue
+        if kind in ("else", "endif") and stack and stack[-1][0]:
+            ours, keep = stack.pop()
+            if kind == "else":
+                stack.append((True, not keep))
+            continue
+        if kind in ("ifdef", "ifndef", "if"):
+            stack.append((False, True))
+        elif kind == "endif" and stack:
+            stack.pop()
+        if all(keep for _, keep in stack):
+            out.append(line)
+    if stack:
+        raise ValueError("kernel source: an #if block is not closed")
+    return "\n".join(out) + "\n"
+
+
 def body(spec: KernelSpec, backend: str) -> str:
     _check_backend(backend)
-    return read_source(f"entry_{backend}.inc") + "\n" + read_source(spec.body)
+    return read_source(f"entry_{backend}.inc") + "\n" + select_blocks(read_source(spec.body), spec.defines)
 
 
 def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, str]:

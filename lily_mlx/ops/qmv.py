@@ -8,6 +8,7 @@ registers switch "qmv".
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -155,6 +156,72 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases", "nw", "res"), output_names=("y",),
     template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode), optional input "
     "RMSNorm and residual add", instances=_instances,
+))
+
+
+ATTN_SPEC_PARAMS = SPEC_PARAMS + ("HQ", "HKV", "D")
+
+
+class _Staged:
+    """The x that qmv_attn merges on chip, as unsupported() checks it: a shape and a dtype, no array."""
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self.shape, self.dtype, self.ndim, self.size = shape, dtype, len(shape), math.prod(shape)
+
+
+def attn_instance(dtype, scale_dtype, M: int, Hq: int, Hkv: int, D: int, N: int, bits: int, group_size: int,
+                  nsplit: int = 2) -> kernels.Instance:
+    """qmv_attn: o_proj (+ residual) of a split decode attention's partials (kernels/qmv.inc, LILY_QMV_ATTN)."""
+    K = Hq * D
+    p = plan(M, K, N, bits)
+    template = (("T", dtype), ("TN", dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
+                ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]), ("NORM", False), ("RES", True),
+                ("EPS_BITS", 0), ("HQ", Hq), ("HKV", Hkv), ("D", D))
+    inputs = ((mx.float32, (M, Hq, nsplit, D)), (mx.float32, (M, Hq, nsplit, 2)),
+              (dtype, (M, 1, Hq * 2 * D + 2 * Hkv * D)), (mx.uint32, (N, K * bits // 32)),
+              (scale_dtype, (N, K // group_size)), (scale_dtype, (N, K // group_size)), (dtype, (M, N)))
+    return kernels.Instance(template, inputs, (dtype,))
+
+
+def qmv_attn(part_acc, part_ml, proj, w, scales, biases, residual, *, n_kv_heads: int, group_size: int, bits: int,
+             backend: str, init_value: Optional[float] = None):
+    """residual + merge(part_acc [B, Hq, NS, D], part_ml [B, Hq, NS, 2]) * sigmoid(gates of proj) @ dequant(w)^T,
+    [B, 1, N] in proj's dtype: attn_combine and the output projection in one launch. None if not applicable."""
+    B, Hq, ns, D = part_acc.shape
+    K = Hq * D
+    if (part_ml.shape != (B, Hq, ns, 2) or part_acc.dtype != mx.float32 or part_ml.dtype != mx.float32
+            or proj.shape != (B, 1, Hq * 2 * D + 2 * n_kv_heads * D) or D % 32):
+        return None
+    key = ("attn", B, Hq, n_kv_heads, D, proj.dtype, w.shape, scales.dtype, group_size, bits, residual.shape, residual.dtype)
+    launch = _LAUNCH.get(key, False)
+    if launch is False:
+        launch = None
+        if unsupported(_Staged((B, 1, K), proj.dtype), w, scales, biases, group_size, bits, None, residual) is None:
+            M, N = kernels.row_bucket(B), w.shape[0]
+            p = plan(M, K, N, bits)
+            inst = attn_instance(proj.dtype, scales.dtype, M, Hq, n_kv_heads, D, N, bits, group_size)
+            launch = (list(inst.template), (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1), N)
+        _LAUNCH[key] = launch
+    if launch is None:
+        return None
+    template, grid, group, N = launch
+    (y,) = kernels.call("qmv_attn", backend, [part_acc, part_ml, proj, w, scales, biases, residual], template, grid,
+                        group, [(B, 1, N)], [proj.dtype], init_value)
+    return y
+
+
+def _attn_instances() -> list[kernels.Instance]:
+    combos = [(t, mx.bfloat16, M, 16, 2, 256, 2048, 4, 64) for M in (1, 2, 4, 8) for t in X_DTYPES]
+    combos += [(t, mx.bfloat16, M, Hq, Hkv, D, N, b, g) for (Hq, Hkv, D) in ((4, 2, 32), (6, 2, 64), (3, 3, 96))
+               for M in (1, 4) for t in (mx.float32, mx.bfloat16) for (N, b, g) in ((33, 4, 32), (70, 8, 32))]
+    return kernels.unique_instances((attn_instance(*c) for c in combos), key=kernels.source_key)
+
+
+ATTN_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="qmv_attn", body="qmv.inc", input_names=("part_acc", "part_ml", "proj", "w", "scales", "biases", "res"),
+    output_names=("y",), template_params=ATTN_SPEC_PARAMS, description="a split decode attention's merge and "
+    "output gate in the o_proj dequant GEMV (+ residual): no attn_combine launch", instances=_attn_instances,
+    defines=("LILY_QMV_ATTN",),
 ))
 
 
