@@ -293,11 +293,40 @@ def test_attn_decode_metal(case):
     _gpu("metal", case)
 
 
+def _gpu_projected(backend, case):
+    """attn_decode's split partials merged inside o_proj (qmv_attn) against the reference attention through the
+    float32 oracle GEMV, outputs poisoned with NaN."""
+    args = case.arrays(7)
+    got = ad.attention_decode(*args[:3], 1e-6, *args[3:], backend=backend, init_value=float("nan"), merge=False,
+                              **case.kw())
+    assert got is not None and isinstance(got[0], tuple), f"attn_decode did not split {case}"
+    o_proj, res = _o_proj(case, 3)
+    y = qmv.qmv_attn(*got[0], args[0], *o_proj[:3], res, n_kv_heads=case.Hkv, group_size=32, bits=o_proj[3],
+                     backend=backend, init_value=float("nan"))
+    assert y is not None, f"qmv_attn declined {case}"
+    _check_projected(case, y, case.reference(args)[0], o_proj, res)
+
+
+SPLIT_GPU_CASES = [c for c in GPU_CASES if c.nsplit > 1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", SPLIT_GPU_CASES, ids=repr)
+def test_qmv_attn_cuda(case):
+    _gpu_projected("cuda", case)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", SPLIT_GPU_CASES, ids=repr)
+def test_qmv_attn_metal(case):
+    _gpu_projected("metal", case)
+
+
 def _model_on_vs_off():
     model, _ = lily_mlx.load_model(EMBEDDED_MODEL, dtype=mx.float32)  # float32: the bounds are float rounding
     runs = []
     for on in (True, False):
-        with ops.disabled(*([] if on else ["attn_decode"])):
+        with ops.disabled(*([] if on else ["attn_decode"])), ops.switched("qmv_attn", on):
             cache = model.make_cache()
             logits = model(mx.array([[5, 9, 33, 7, 101, 2, 64, 12]]), cache=cache)[:, -1]
             toks = []
@@ -306,7 +335,7 @@ def _model_on_vs_off():
                 toks.append(tok)
                 logits = model(tok, cache=cache)[:, -1]
             runs.append((mx.concatenate(toks, 1), logits))
-    assert mx.array_equal(runs[0][0], runs[1][0]).item(), "64 greedy tokens differ with attn_decode on"
+    assert mx.array_equal(runs[0][0], runs[1][0]).item(), "64 greedy tokens differ with attn_decode and qmv_attn on"
     assert _rel(runs[0][1], runs[1][1]) < 1e-4
 
 
