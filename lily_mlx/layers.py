@@ -131,6 +131,14 @@ def normed(layer, x: mx.array, norm: "RMSNorm") -> mx.array:
     return layer(norm(x))
 
 
+def embedded(layer, ids: mx.array) -> mx.array:
+    """layer(ids) for an embedding: one launch where the table is affine-quantized (switch dequant_rows)."""
+    if _quantized(layer) and "biases" in layer and getattr(layer, "mode", "affine") == "affine":
+        return ops.embedding_lookup(ids, layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size,
+                                    bits=layer.bits)
+    return layer(ids)
+
+
 def output_weights(layer, residual: mx.array, dtype) -> Optional[tuple]:
     """((w, scales, biases), group_size, bits) of a quantized, bias-free layer whose output adds to residual in
     dtype (output projections, which the kernels fuse with the add); else None."""

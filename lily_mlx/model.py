@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCa
 
 from . import ops
 from .config import ModelConfig
-from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, normed, output_weights
+from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, embedded, normed, output_weights
 
 
 class Attention(nn.Module):
@@ -263,7 +263,7 @@ class TextModel(nn.Module):
 
     def hidden(self, inputs, cache=None, input_embeddings=None) -> mx.array:
         """The last layer's output before the final norm [B, L, H]."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        h = input_embeddings if input_embeddings is not None else embedded(self.embed_tokens, inputs)
         if cache is None:
             cache = [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
@@ -356,7 +356,7 @@ class Model(nn.Module):
         [B, L]; cache: one KV cache per MTP layer."""
         if "mtp" not in self:
             raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
-        embeddings = self.language_model.model.embed_tokens(next_tokens)
+        embeddings = embedded(self.language_model.model.embed_tokens, next_tokens)
         return self.language_model.logits(self.mtp(embeddings, hidden, cache))
 
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:

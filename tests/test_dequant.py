@@ -51,6 +51,37 @@ def test_metal_emulated_matches_oracle(tmp_path):
         _check(got, q, s, b, group, bits, odt)
 
 
+# (table rows V, ids, K, group, bits, scales dtype, ids dtype): an embedding lookup (dequant_rows), ids repeating, in any
+# order, a 2-D batch, rows whose words straddle warp tiles (K / codes-per-word not a multiple of 32)
+ROW_CASES = [(300, [[5, 299, 0, 5]], 96, 32, 8, F32, mx.int32), (17, [3, 16, 3], 192, 64, 4, F16, mx.int32),
+             (40, [[7], [39]], 2048, 64, 4, BF16, mx.uint32)]
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_embedding_rows_emulated_match_quantized_embedding(tmp_path):
+    emu, wants = Emulator(tmp_path), []
+    for i, (V, ids, K, group, bits, sdt, idt) in enumerate(ROW_CASES):
+        q, s, b = _weights(V, K, group, bits, sdt, 10 + i)
+        ids = mx.array(ids, dtype=idt)
+        grid, tg = dq.grid(ids.size, K, bits)
+        emu.add(dq.ROWS_SPEC, dq.rows_instance(V, ids.size, K, group, bits, sdt, idt), [q, s, b, ids], grid, tg,
+                [(*ids.shape, K)])
+        wants.append(ops.embedding_lookup(ids, q, s, b, group_size=group, bits=bits))  # on the CPU: MLX's gathers
+    bad = mx.array([[2, -1, 300]], dtype=mx.int32)  # ids outside the table write NaN, not another row
+    q, s, b = _weights(300, 96, 32, 8, F32, 10)
+    emu.add(dq.ROWS_SPEC, dq.rows_instance(300, 3, 96, 32, 8, F32), [q, s, b, bad], *dq.grid(3, 96, 8), [(1, 3, 96)])
+    outs = emu.run()
+    def err(got, want):  # the kernel's fused multiply-add against MLX's: an ulp apart at most
+        assert got.shape == want.shape and got.dtype == want.dtype and not mx.isnan(got).any().item()
+        return (mx.abs(got.astype(F32) - want.astype(F32)).max() / mx.abs(want.astype(F32)).max()).item()
+
+    for want, (got,) in zip(wants, outs):
+        assert err(got, want) < (1e-6 if want.dtype == F32 else 8e-3), "the lookup differs from QuantizedEmbedding's"
+    (got,) = outs[-1]
+    row2 = ops.embedding_lookup(mx.array([2], dtype=mx.int32), q, s, b, group_size=32, bits=8)
+    assert err(got[0, :1], row2) < 1e-6 and mx.isnan(got[0, 1:]).all().item()
+
+
 def test_dispatcher_never_runs_on_cpu_and_obeys_its_switch(monkeypatch):
     q, s, b = _weights(4, 128, 64, 4, BF16)
     called = []
@@ -65,6 +96,28 @@ def test_dispatcher_never_runs_on_cpu_and_obeys_its_switch(monkeypatch):
     assert not called
     ops.dequantize(q, s, b, group_size=64, bits=4, dtype=F32)  # on by default
     assert called == [1]
+
+
+def test_embedding_lookup_is_the_quantized_embedding_and_dispatches(monkeypatch):
+    import mlx.nn as nn
+
+    from lily_mlx.layers import embedded
+
+    emb = nn.QuantizedEmbedding.from_embedding(nn.Embedding(50, 64), group_size=32, bits=4)
+    ids = mx.array([[3, 49, 0]], dtype=mx.int32)
+    assert mx.array_equal(embedded(emb, ids), emb(ids)).item()  # on the CPU: the same ops as mlx.nn's
+    plain = nn.Embedding(50, 64)
+    assert mx.array_equal(embedded(plain, ids), plain(ids)).item()
+    called = []
+    monkeypatch.setitem(ops._kernels, "dequant_rows", lambda *a, **k: called.append(k) or emb(a[0]))
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    embedded(emb, ids)
+    assert not called  # opt-in
+    with ops.switched("dequant_rows", True):
+        embedded(emb, ids)
+    assert called == [{"group_size": 32, "bits": 4}]
+    assert dq.embedding_rows(ids.astype(mx.int64), emb["weight"], emb["scales"], emb["biases"], group_size=32, bits=4,
+                             backend="cuda") is None  # ids of another dtype: declined
 
 
 def test_unsupported_arguments_are_declined():
@@ -100,6 +153,31 @@ def test_dequant_cuda():
 @pytest.mark.metal
 def test_dequant_metal():
     _gpu("metal")
+
+
+def _gpu_rows(backend):
+    """dequant_rows at the 35B-A3B embedding (248,320 x 2048, 4-bit, group 64, bf16) and the odd cases, against
+    MLX's gathers and dequantize, outputs poisoned with NaN."""
+    cases = ROW_CASES + [(248320, [[0, 248319, 17, 123456, 5, 5, 99999, 3]], 2048, 64, 4, BF16, mx.uint32)]
+    for i, (V, ids, K, group, bits, sdt, idt) in enumerate(cases):
+        q, s, b = _weights(V, K, group, bits, sdt, 20 + i)
+        ids = mx.array(ids, dtype=idt)
+        got = dq.embedding_rows(ids, q, s, b, group_size=group, bits=bits, backend=backend, init_value=float("nan"))
+        with mx.stream(mx.cpu):
+            want = mx.dequantize(q[ids], s[ids], b[ids], group_size=group, bits=bits)
+        assert got.shape == want.shape and got.dtype == want.dtype and not mx.isnan(got).any().item()
+        err = (mx.abs(got.astype(F32) - want.astype(F32)).max() / mx.abs(want.astype(F32)).max()).item()
+        assert err < (1e-6 if sdt == F32 else 8e-3), (V, K, err)
+
+
+@pytest.mark.cuda
+def test_embedding_rows_cuda():
+    _gpu_rows("cuda")
+
+
+@pytest.mark.metal
+def test_embedding_rows_metal():
+    _gpu_rows("metal")
 
 
 @pytest.mark.cuda

@@ -111,6 +111,15 @@ def dequantize(w, scales, biases, *, group_size: int, bits: int, dtype) -> mx.ar
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(dtype)
 
 
+def embedding_lookup(ids, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
+    """Rows ids [...] of an affine-quantized table w [V, K*bits/32] (scales/biases [V, K/group]), dequantized:
+    [..., K] in the scales' dtype, as mlx.nn.QuantizedEmbedding returns them. One launch where it applies."""
+    out = _try("dequant_rows", ids, w, scales, biases, group_size=group_size, bits=bits)
+    if out is not None:
+        return out
+    return mx.dequantize(w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits)
+
+
 def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
     """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows and
     DENSE_DEQUANT_MIN_WEIGHTS weight elements, the weight dequantized to x's dtype and a dense GEMM on the tensor

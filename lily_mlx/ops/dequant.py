@@ -86,6 +86,53 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
+def rows_instance(V: int, R: int, K: int, group_size: int, bits: int, scale_dtype, ids_dtype=mx.int32) -> kernels.Instance:
+    template = (("TS", scale_dtype), ("TO", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", K),
+                ("THREADS", THREADS))
+    inputs = ((mx.uint32, (V, K * bits // 32)), (scale_dtype, (V, K // group_size)), (scale_dtype, (V, K // group_size)),
+              (ids_dtype, (R,)))
+    return kernels.Instance(template, inputs, (scale_dtype,))
+
+
+def embedding_rows(ids, w, scales, biases, *, group_size: int, bits: int, backend: str,
+                   init_value: Optional[float] = None) -> Optional[mx.array]:
+    """The rows ids [...] (int32, or uint32 as argmax gives them) of the quantized table w [V, K*bits/32]
+    dequantized, [..., K] in the scales' dtype (as mlx.nn.QuantizedEmbedding), in one launch; None when the
+    kernel does not apply."""
+    if ids.dtype not in (mx.int32, mx.uint32) or ids.size == 0 or w.shape[0] >= 2**31 or w.ndim != 2 or unsupported(w, scales, biases, group_size, bits,
+                                                                           scales.dtype) is not None:
+        return None
+    K = w.shape[-1] * 32 // bits
+    inst = rows_instance(w.shape[0], ids.size, K, group_size, bits, scales.dtype, ids.dtype)
+    grid_, group = grid(ids.size, K, bits)
+    return kernels.call("dequant_rows", backend, [w, scales, biases, ids], list(inst.template), grid_, group,
+                        [(*ids.shape, K)], [scales.dtype], init_value)[0]
+
+
+def _rows_instances() -> list[kernels.Instance]:
+    insts = [rows_instance(248320, 8, 2048, 64, 4, mx.bfloat16, t) for t in (mx.int32, mx.uint32)]
+    insts += [rows_instance(300, 5, 96, 32, 8, mx.float32), rows_instance(17, 3, 192, 64, 4, mx.float16)]
+    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("dequant_rows", i.template,
+                                                                                      i.inputs, i.output_dtypes))
+
+
+ROWS_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="dequant_rows", body="dequant.inc", input_names=("w", "scales", "biases", "ids"), output_names=("out",),
+    template_params=SPEC_PARAMS, description="an embedding lookup: quantized table rows picked by id and dequantized",
+    instances=_rows_instances, defines=("LILY_DEQUANT_ROWS",),
+))
+
+
+def _dispatch_rows(ids, w, scales, biases, **kwargs):
+    from . import backend
+
+    return embedding_rows(ids, w, scales, biases, backend=backend(), **kwargs)
+
+
+register_kernel("dequant_rows", ROWS_SPEC.description + " (one launch for three gathers and a dequantize; not yet "
+                "measured on a GPU)", _dispatch_rows, default_on=False)
+
+
 def _dispatch(w, scales, biases, **kwargs):
     from . import backend
 
