@@ -170,7 +170,7 @@ def _qmv_attn_launch(case, o_proj):
     w, scales, biases, bits = o_proj
     M, K, N = kernels.row_bucket(case.B), case.Hq * case.D, w.shape[0]
     inst = qmv.attn_instance(case.dtype, scales.dtype, M, case.Hq, case.Hkv, case.D, N, bits, 32, case.nsplit)
-    p = qmv.plan(M, K, N, bits)
+    p = qmv.plan(M, K, N, bits, qmv.ATTN_MIN_BLOCKS)
     return inst, (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1)
 
 
@@ -260,6 +260,36 @@ def test_splits_and_unsupported():
     assert "shared memory" in ad.unsupported(mx.zeros((1, 1, 32 * 2 * 512 + 2 * 512)), mx.ones(512), mx.ones(512), 1e-6,
                                              mx.zeros((1, 1, 4, 512)), mx.zeros((1, 1, 4, 512)), args[5], 32, 1, 64, 0.1)
     assert ad.attention_decode(*args[:3], 1e-6, *args[3:5], mx.array(5), backend="cuda", **case.kw()) is None
+
+
+def test_attention_decode_add_folds_the_merge_only_for_short_caches(monkeypatch):
+    """ops.attention_decode_add with qmv_attn on: a split short cache merges inside o_proj (attn_decode, qmv_attn),
+    a long one through attn_combine and qmv; off, or on the CPU, the unfused path."""
+    launched = []
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
+        launched.append(name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    def run(cap, on):
+        case = Case(1, 16, 2, 256, 64, cap, cap - 1, BF16, theta=1e7)
+        args = case.arrays(1)
+        w, scales, biases = mx.quantize(mx.random.normal((96, 16 * 256)) * 0.05, group_size=64, bits=4)
+        res = mx.zeros((1, 1, 96), BF16)
+        launched.clear()
+        with ops.switched("qmv_attn", on):
+            h, k_new, v_new = ops.attention_decode_add(*args[:3], 1e-6, *args[3:], (w, scales, biases), res,
+                                                       group_size=64, bits=4, **case.kw())
+        assert h.shape == (1, 1, 96) and k_new.shape == (1, 2, 1, 256)
+        return list(launched)
+
+    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    assert run(256, True) == ["attn_decode", "qmv_attn"]
+    assert run(4096, True) == ["attn_decode", "attn_combine", "qmv"]  # 256 splits: past ad.FOLD_MAX_SPLITS
+    assert run(256, False) == ["attn_decode", "attn_combine", "qmv"]
+    monkeypatch.setattr(ops, "backend", lambda: "cpu")
+    assert run(256, True) == []
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------

@@ -193,6 +193,11 @@ def _dispatch(*args, **kwargs):
 register_kernel("attn_decode", SPEC.description, _dispatch)
 
 
+# Up to this many splits (cache capacity <= ~370 positions) qmv_attn merges them; every one of its blocks reads
+# all NS partials, so past short caches attn_combine's one merge is cheaper.
+FOLD_MAX_SPLITS = 24
+
+
 def _dispatch_fold(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, o_proj, residual, *, group_size: int,
                    bits: int, **kw):
     """ops.attention_decode_add through attn_decode and qmv_attn (a split cache's merge inside o_proj's GEMV), or
@@ -200,7 +205,7 @@ def _dispatch_fold(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset
     from . import backend, enabled, quantized_matmul_add
     from .qmv import qmv_attn
 
-    if not enabled("attn_decode"):
+    if not enabled("attn_decode") or splits(proj.shape[0], kw["n_kv_heads"], keys.shape[2]) > FOLD_MAX_SPLITS:
         return None
     res = attention_decode(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, **kw, backend=backend(),
                            merge=False)
