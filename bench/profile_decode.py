@@ -8,6 +8,7 @@ the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -71,7 +72,9 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     decoders = {}
     for on in (True, False):
         # Built and traced under the setting: a decoder takes its shared trace, keyed on the switches, when made.
-        with ops.switched(name, on):
+        with contextlib.ExitStack() as stack:
+            for n in name.split("+"):  # a+b: both flipped together
+                stack.enter_context(ops.switched(n, on))
             dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
             mx.eval(dec(mx.array([[1]])))
         decoders[on] = dec
@@ -150,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--no-ops", action="store_true", help="time the whole step only, not each fused op")
-    ap.add_argument("--ab-switch", help="also time the step with this switch on vs off, alternating in one process")
+    ap.add_argument("--ab-switch", help="also time the step with this switch on vs off, alternating in one process "
+                                        "(a+b: both flipped together)")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, tokenizer = lily_mlx.load(args.model)

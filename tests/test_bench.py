@@ -327,7 +327,7 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
                          "--json", str(tmp_path / "w.json")]) == 0
     (row,) = json.loads((tmp_path / "w.json").read_text())["rows"]
     assert row["prefill_s"] > 0 and "bounded" not in row and "parts" not in row
-    assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv",
+    assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv_attn+dequant_rows",
                         "--json", str(tmp_path / "d.json")]) == 0
     report = json.loads((tmp_path / "d.json").read_text())
     assert report["steps"][0]["tok_s"] > 0 and report["switch_ab"][0]["on_ms"] > 0 and report["ops"]
