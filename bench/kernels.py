@@ -3,7 +3,8 @@
 qmv against mx.quantized_matmul for each of the model's projection shapes at batch 1, then the other
 kernels at the 35B-A3B shapes against the path the dispatcher takes with their switch off (MLX's own
 ops): the MoE block's two launches (gather_qmm), the DeltaNet decode step, decode attention at 256 and
-4096 positions, the prefill chunk scan and the expert dequantize. Each row checks its kernel first (a
+4096 positions, the prefill chunk scan, the expert dequantize, and the opt-in qmv_attn (against the kernels'
+unfolded path) and dequant_rows (the embedding lookup). Each row checks its kernel first (a
 failing row reports no timing), then times both through MLX as the model calls them: a chain of calls
 evaluated at once, rotating over enough input copies that the 60 MB L2 cannot serve them. Times are
 wall-clock per call, so they include MLX's per-primitive cost (about 4-5 us), which bounds the small
@@ -120,9 +121,9 @@ def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
 # Op rows: (switch, what) -> a builder (dims) returning (ours(i), nbytes, copies); "theirs" is ours with the switch
 # off. The 35B-A3B dimensions, and toy ones for --shapes tiny.
 DIMS = {"model": dict(H=2048, E=256, I=512, IS=512, K=8, Hk=16, Hv=32, Dk=128, Dv=128, W=4, Hq=16, Hkv=2, D=256,
-                      rope=64, T=2048, C=64),
+                      rope=64, T=2048, C=64, V=248320),
         "tiny": dict(H=128, E=8, I=64, IS=64, K=2, Hk=2, Hv=4, Dk=32, Dv=32, W=4, Hq=4, Hkv=2, D=64, rope=16, T=128,
-                     C=64)}
+                     C=64, V=1000)}
 BF16 = mx.bfloat16
 
 
@@ -175,24 +176,52 @@ def deltanet_step_row(d):
     return ours, nbytes, copies
 
 
-def attn_row(d, context: int):
-    """One decode token of gated attention over `context` cached positions (GQA, partial RoPE)."""
+def _attn_inputs(d, context: int):
+    """A fused attention projection, q/k norms, `copies` KV caches of `context` positions, the offset; the bytes
+    one call reads of a cache, and the copy count."""
     Hq, Hkv, D = d["Hq"], d["Hkv"], d["D"]
     kv_bytes = 2 * Hkv * context * D * 2
     copies = _copies(kv_bytes)
     proj = (mx.random.normal((1, 1, Hq * 2 * D + 2 * Hkv * D), key=mx.random.key(1)) * 0.5).astype(BF16)
-    qn = kn = mx.ones((D,), dtype=BF16)
+    norm = mx.ones((D,), dtype=BF16)
     cap = context + 8
     caches = [(mx.random.normal((1, Hkv, cap, D), key=mx.random.key(2 * i)).astype(BF16),
                mx.random.normal((1, Hkv, cap, D), key=mx.random.key(2 * i + 1)).astype(BF16)) for i in range(copies)]
     off = mx.array([context], dtype=mx.int32)
-    mx.eval(proj, caches, off)
+    mx.eval(proj, norm, caches, off)
+    kw = dict(n_heads=Hq, n_kv_heads=Hkv, rope_dims=d["rope"], rope_theta=1e7, scale=D ** -0.5)
+    return (proj, norm, norm, 1e-6), caches, off, kw, kv_bytes, copies
+
+
+def attn_row(d, context: int):
+    """One decode token of gated attention over `context` cached positions (GQA, partial RoPE)."""
+    head, caches, off, kw, kv_bytes, copies = _attn_inputs(d, context)
+    return (lambda i: ops.attention_decode(*head, *caches[i], off, **kw)[0]), kv_bytes, copies
+
+
+def attn_oproj_row(d, context: int = 256):
+    """Decode attention through o_proj and the residual add over a short cache (split in 17 at 256 positions):
+    with qmv_attn the splits merge inside the GEMV, without it attn_combine runs between."""
+    head, caches, off, kw, kv_bytes, copies = _attn_inputs(d, context)
+    H, K = d["H"], d["Hq"] * d["D"]
+    w, s, b = _quant((H, K), 11)
+    h = (mx.random.normal((1, 1, H), key=mx.random.key(12)) * 0.5).astype(BF16)
+    mx.eval(w, s, b, h)
 
     def ours(i):
-        k, v = caches[i]
-        return ops.attention_decode(proj, qn, kn, 1e-6, k, v, off, n_heads=Hq, n_kv_heads=Hkv, rope_dims=d["rope"],
-                                    rope_theta=1e7, scale=D ** -0.5)[0]
-    return ours, kv_bytes, copies
+        return ops.attention_decode_add(*head, *caches[i], off, (w, s, b), h, group_size=GROUP, bits=4, **kw)[0]
+    return ours, kv_bytes + H * K // 2 + 2 * 2 * H * K // GROUP, copies
+
+
+def embed_row(d):
+    """The embedding lookup of one token from the 4-bit table [V, H]."""
+    V, H = d["V"], d["H"]
+    w, s, b = _quant((V, H), 13)
+    copies = 64
+    ids = [mx.array([[(7919 * i) % V]], dtype=mx.int32) for i in range(copies)]
+    mx.eval(w, s, b, ids)
+    nbytes = H // 2 + 2 * 2 * H // GROUP + 2 * H
+    return (lambda i: ops.embedding_lookup(ids[i], w, s, b, group_size=GROUP, bits=4)), nbytes, copies
 
 
 def chunk_row(d):
@@ -226,6 +255,8 @@ OP_ROWS = [
     ("attn_decode", "decode attention, 4096 cached", lambda d: attn_row(d, 4096)),
     ("deltanet_chunk", "prefill chunk scan, one layer", chunk_row),
     ("dequant", "every expert's gate projection to bf16", dequant_row),
+    ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
+    ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),
 ]
 
 
