@@ -278,6 +278,12 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
             "prefill": m["prefill_tps"] / bm["prefill_tps"],
             "ttft": bm["ttft_s"] / m["ttft_s"],
         }
+        # Informational, not a refusal rule: the ratio round by round (the arms of a round run back to back), which
+        # would be steady if a machine's slow spells hit both arms of a round alike.
+        paired = {k: [t[f"{k}_tps"] / u[f"{k}_tps"] for t, u in zip(trials[arm], trials[baseline])]
+                  for k in ("decode", "prefill")}
+        entry["paired_ratios"] = {k: {"rounds": v, "spread": (max(v) - min(v)) / statistics.median(v)}
+                                  for k, v in paired.items()}
         if arm != baseline and entry["digest"] != base["digest"]:
             d = first_divergence(trials[baseline][0]["tokens"], trials[arm][0]["tokens"])
             divergence[arm] = d

@@ -141,6 +141,9 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
             gaps = [t["decode_gap_ms"] for t in e["rounds"]]
             assert all(0 < g["p10"] <= g["p50"] <= g["max"] for g in gaps) if row["batch_size"] == 1 else gaps == [None, None]
         assert row["arms"]["stock"]["vs_baseline"] == {"decode": 1.0, "prefill": 1.0, "ttft": 1.0}
+        paired = row["arms"][LILY_ARM]["paired_ratios"]["decode"]
+        assert len(paired["rounds"]) == 2 and paired["spread"] >= 0
+        assert row["arms"]["stock"]["paired_ratios"]["decode"] == {"rounds": [1.0, 1.0], "spread": 0.0}
         assert row["bytes_per_decode_step"]["total"] > row["bytes_per_decode_step"]["dense_weights"] > 0
     assert "| 16 | 4 | 1 | stock |" in (tmp_path / "t.md").read_text()
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
