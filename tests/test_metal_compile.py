@@ -34,6 +34,19 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
+def test_variant_blocks_are_selected_per_spec():
+    """A body's #ifdef LILY_* blocks are resolved per kernel variant (each variant's source holds only its own
+    lines); other conditionals reach the compiler; an unclosed block is an error."""
+    text = "a\n#ifdef LILY_A\nb\n#ifdef __CUDACC__\nc\n#else\nd\n#endif\n#else\ne\n#endif\n#ifndef LILY_A\nf\n#endif\ng"
+    assert kernels.select_blocks(text, ["LILY_A"]).split() == ["a", "b", "#ifdef", "__CUDACC__", "c", "#else", "d",
+                                                               "#endif", "g"]
+    assert kernels.select_blocks(text, []).split() == ["a", "e", "f", "g"]
+    with pytest.raises(ValueError, match="not closed"):
+        kernels.select_blocks("#ifdef LILY_A\nb", [])
+    plain, attn = (kernels.body(kernels.SPECS[n], "cuda") for n in ("qmv", "qmv_attn"))
+    assert "part_acc" in attn and "part_acc" not in plain and "x_shape" in plain and "x_shape" not in attn
+
+
 def test_instances_are_distinct_and_named():
     for name in SPEC_NAMES:
         spec = kernels.SPECS[name]
