@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 import lily_mlx
 from emulator import GXX, Emulator
 from lily_mlx import ops
-from lily_mlx.embedded import EMBEDDED_MODEL
+from lily_mlx.embedded import EMBEDDED_4BIT_MODEL, EMBEDDED_MODEL
 from lily_mlx.ops import attn_decode as ad
 from lily_mlx.ops import kernels, qmv, reference
 
@@ -352,8 +352,10 @@ def test_qmv_attn_metal(case):
     _gpu_projected("metal", case)
 
 
-def _model_on_vs_off():
-    model, _ = lily_mlx.load_model(EMBEDDED_MODEL, dtype=mx.float32)  # float32: the bounds are float rounding
+def _model_on_vs_off(path):
+    """64 greedy tokens with attn_decode and qmv_attn on vs off; the 4-bit model's o_proj takes qmv_attn (its
+    256-position cache splits in 17)."""
+    model, _ = lily_mlx.load_model(path, dtype=mx.float32)  # float32: the bounds are float rounding
     runs = []
     for on in (True, False):
         with ops.disabled(*([] if on else ["attn_decode"])), ops.switched("qmv_attn", on):
@@ -369,11 +371,16 @@ def _model_on_vs_off():
     assert _rel(runs[0][1], runs[1][1]) < 1e-4
 
 
+MODELS = pytest.mark.parametrize("path", [EMBEDDED_MODEL, EMBEDDED_4BIT_MODEL], ids=["bf16", "4bit"])
+
+
 @pytest.mark.cuda
-def test_model_greedy_with_kernel_cuda():
-    _model_on_vs_off()
+@MODELS
+def test_model_greedy_with_kernel_cuda(path):
+    _model_on_vs_off(path)
 
 
 @pytest.mark.metal
-def test_model_greedy_with_kernel_metal():
-    _model_on_vs_off()
+@MODELS
+def test_model_greedy_with_kernel_metal(path):
+    _model_on_vs_off(path)
