@@ -99,6 +99,13 @@ LILY_INLINE void lily_norm_rope(TS src, TW nw, float eps, int pos, float log2_ba
 
 LILY_INLINE float lily_sigmoid(float v) { return 1.0f / (1.0f + lily_exp(-v)); }
 
+// A gated attention output element as the reference rounds it, T(T(o) * T(sigmoid(gate))), returned as float:
+// attn_decode.inc, attn_combine.inc and qmv.inc's qmv_attn variant all end with it.
+template <typename T, typename TG>
+LILY_INLINE float lily_gated(float o, TG gate) {
+  return lily_float(lily_cast<T>(lily_float(lily_cast<T>(o)) * lily_float(lily_cast<T>(lily_sigmoid(lily_float(gate))))));
+}
+
 LILY_INLINE float lily_nan() { return LILY_AS_FLOAT(0x7FC00000u); }
 LILY_INLINE float lily_neg_inf() { return LILY_AS_FLOAT(0xFF800000u); }
 
