@@ -21,7 +21,6 @@ from mlx.utils import tree_flatten
 from .kernels import wall_time
 
 
-
 def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3,
                  headroom: Optional[int] = None) -> tuple[float, float]:
     """Median seconds of the whole prompt's prefill, and the peak memory (GB) it reached, run as generate runs
