@@ -41,17 +41,22 @@ wait
 # 17 splits: qmv_attn folds up to 24), in one process.
 step 60 80 "decode step, qmv_attn+dequant_rows on vs off" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch qmv_attn+dequant_rows --json "$out/decode_ab_fold.json"
+# Where the decode step's CPU time goes inside MLX (native stacks; py-spy is carried in as a wheel where present).
+if command -v py-spy >/dev/null; then
+  step 60 90 "native CPU profile of the decode step" py-spy record --native -r 400 -f raw \
+    -o "$out/decode_native.txt" -- python3 -m bench.profile_decode --model "$model" --context 64 --steps 1500 --no-ops
+fi
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$out/launch_cost.json"
+# Issue 5's memory bound (<= weights + 3 GB at 8192 tokens): how much speed each run-ahead cap costs.
+step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+  --whole-only --headroom 0.5 1 2 --json "$out/prefill_capped.json"
+step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$out/serve8${enable:+_$enable}.json"
 done
-# Issue 5's memory bound (<= weights + 3 GB at 8192 tokens): how much speed each run-ahead cap costs.
-step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
-  --whole-only --headroom 0.5 1 2 --json "$out/prefill_capped.json"
 # Each round records the hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
   --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
-step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
