@@ -121,9 +121,9 @@ def bench_shape(K: int, N: int, bits: int, peak: float, reps: int) -> dict:
 # Op rows: (switch, what) -> a builder (dims) returning (ours(i), nbytes, copies); "theirs" is ours with the switch
 # off. The 35B-A3B dimensions, and toy ones for --shapes tiny.
 DIMS = {"model": dict(H=2048, E=256, I=512, IS=512, K=8, Hk=16, Hv=32, Dk=128, Dv=128, W=4, Hq=16, Hkv=2, D=256,
-                      rope=64, T=2048, C=64, V=248320),
+                      rope=64, T=2048, C=64, V=248320, prefill_rows=16384),
         "tiny": dict(H=128, E=8, I=64, IS=64, K=2, Hk=2, Hv=4, Dk=32, Dv=32, W=4, Hq=4, Hkv=2, D=64, rope=16, T=128,
-                     C=64, V=1000)}
+                     C=64, V=1000, prefill_rows=256)}
 BF16 = mx.bfloat16
 
 
@@ -248,6 +248,19 @@ def dequant_row(d):
     return (lambda i: ops.dequantize(w, s, b, group_size=GROUP, bits=4, dtype=BF16)), nbytes, 1
 
 
+def moe_gemm_row(d):
+    """Every routed expert's gate projection on a 2048-token prefill's sorted rows (16,384 at top-8), against
+    dequantize + MLX's grouped GEMM: bytes are the codes read once and x read and y written once."""
+    E, I, H, rows = d["E"], d["I"], d["H"], d["prefill_rows"]
+    w, s, b = _quant((E, I, H), 10)
+    idx = mx.sort(mx.random.randint(0, E, (rows,), key=mx.random.key(11))).astype(mx.uint32)
+    x = (mx.random.normal((rows, 1, H), key=mx.random.key(12)) * 0.5).astype(BF16)
+    mx.eval(w, s, b, idx, x)
+    nbytes = E * I * H // 2 + 2 * 2 * E * I * H // GROUP + 2 * rows * (H + I)
+    return (lambda i: ops.gather_matmul(x, w, idx, scales=s, biases=b, group_size=GROUP, bits=4,
+                                        sorted_indices=True)), nbytes, 1
+
+
 OP_ROWS = [
     ("moe_gate_up+moe_down_combine", "MoE block, 1 token (top-k experts + shared)", moe_row),
     ("deltanet_step", "DeltaNet decode step, 1 token", deltanet_step_row),
@@ -255,6 +268,7 @@ OP_ROWS = [
     ("attn_decode", "decode attention, 4096 cached", lambda d: attn_row(d, 4096)),
     ("deltanet_chunk", "prefill chunk scan, one layer", chunk_row),
     ("dequant", "every expert's gate projection to bf16", dequant_row),
+    ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
     ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),
 ]

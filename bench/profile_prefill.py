@@ -127,9 +127,10 @@ def mixer_parts(model, T: int) -> dict:
     return {name: 1e3 * wall_time(lambda: mx.eval(fn()), reps=5) for name, fn in parts.items()}
 
 
-def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256)) -> list:
-    """Routed experts of one layer, dequantize + grouped GEMM vs the quantized gather, by token count: where
-    ops.DEQUANT_GEMM_MIN_ROWS should sit."""
+def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256, 2048)) -> list:
+    """Routed experts of one layer by token count, three ways: MLX's quantized gather, dequantize + MLX's grouped
+    GEMM, and moe_gemm (dequantized in the tile): where ops.DEQUANT_GEMM_MIN_ROWS should sit, and whether
+    moe_gemm should take every sorted batch."""
     from lily_mlx import ops
 
     moe = next(l for l in model.language_model.model.layers if l.is_linear).mlp
@@ -138,14 +139,19 @@ def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256)) -> list:
         xn = (mx.random.normal((1, T, model.config.hidden_size)) * 0.5).astype(mx.bfloat16)
         inds, _ = ops.moe_route(moe.router(xn)[..., :-1], moe.top_k, moe.norm_topk_prob)
         mx.eval(xn, inds)
-        with ops.disabled("moe_dequant_gemm"):
-            t_q = wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
+        run = lambda: wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
+        with ops.disabled("moe_dequant_gemm", "moe_gemm"):
+            t_q = run()
         saved, ops.DEQUANT_GEMM_MIN_ROWS = ops.DEQUANT_GEMM_MIN_ROWS, 0
         try:
-            t_d = wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
+            with ops.disabled("moe_gemm"):
+                t_d = run()
         finally:
             ops.DEQUANT_GEMM_MIN_ROWS = saved
-        rows.append({"tokens": T, "rows": T * moe.top_k, "gather_qmm_ms": 1e3 * t_q, "dequant_gemm_ms": 1e3 * t_d})
+        with ops.switched("moe_gemm", True):
+            t_m = run()
+        rows.append({"tokens": T, "rows": T * moe.top_k, "gather_qmm_ms": 1e3 * t_q, "dequant_gemm_ms": 1e3 * t_d,
+                     "moe_gemm_ms": 1e3 * t_m})
     return rows
 
 
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--headroom", type=float, nargs="+", default=[2.0], metavar="GB",
                     help="also time each length with the run-ahead bounded at these headrooms (lily_mlx.memory)")
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
-    ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' two paths by token count")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     cfg = model.config
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
     report["expert_sweep"] = expert_sweep(model) if args.sweep else []
     for r in report["expert_sweep"]:
         print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
-              f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms", flush=True)
+              f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms, moe_gemm {r['moe_gemm_ms']:7.3f} ms", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -15,6 +15,7 @@
 
 #define LILY_LDG_U4(ptr, idx) (reinterpret_cast<const device uint4*>(ptr)[(idx)])
 #define LILY_U4_ZERO uint4(0u)
+#define LILY_U4(a, b, c, d) uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) float4((a), (b), (c), (d))
 #define LILY_AS_FLOAT(u) as_type<float>(u)
 #define LILY_FMA(a, b, c) metal::fma((a), (b), (c))

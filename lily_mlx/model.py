@@ -165,15 +165,17 @@ class SwitchGLU(nn.Module):
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
         # Many tokens: sort by expert so each expert's rows are contiguous (as mlx-lm does).
         do_sort = indices.size >= 64
-        idx, inv_order = indices, None
+        idx, inv_order, starts = indices, None, None
         if do_sort:
             k = indices.shape[-1]
             flat = indices.flatten()
             order = mx.argsort(flat)
             inv_order = mx.argsort(order)
             x, idx = x.flatten(0, -3)[order // k], flat[order]
-        h = nn.silu(self.gate_proj(x, idx, sorted_indices=do_sort)) * self.up_proj(x, idx, sorted_indices=do_sort)
-        y = self.down_proj(h, idx, sorted_indices=do_sort)
+            starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
+        kw = dict(sorted_indices=do_sort, expert_starts=starts)
+        h = nn.silu(self.gate_proj(x, idx, **kw)) * self.up_proj(x, idx, **kw)
+        y = self.down_proj(h, idx, **kw)
         if do_sort:
             y = mx.unflatten(y[inv_order], 0, indices.shape)
         return y.squeeze(-2)

@@ -37,6 +37,10 @@ else
   step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
 fi
 wait
+# moe_gemm (2026-12-04, the experts' GEMM dequantized in the tile): whole prefills with it on vs off, and the routed
+# experts of one layer by token count on its three paths.
+step 60 120 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
+  --whole-only --no-bounded --ab-switch moe_gemm --sweep --json "$out/prefill_moe_gemm.json"
 # The opt-in kernels of 2026-12-03 (qmv_attn, dequant_rows): the step on vs off at a short cache (capacity 256,
 # 17 splits: qmv_attn folds up to 24), in one process.
 step 60 80 "decode step, qmv_attn+dequant_rows on vs off" python3 -m bench.profile_decode --model "$model" \

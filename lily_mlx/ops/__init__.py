@@ -171,8 +171,23 @@ def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int,
     return mx.gather_mm(x, wd.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)  # [..., k, 1, N]
 
 
-def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False):
-    """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]."""
+def sorted_expert_starts(indices, experts: int) -> Optional[tuple[mx.array, mx.array]]:
+    """For rows sorted by expert: what moe_gemm's blocks search (computed once for a layer's three projections),
+    or None where moe_gemm will not run."""
+    if _kernels.get("moe_gemm") is None or not enabled("moe_gemm") or backend() == "cpu":
+        return None
+    return _moe_gemm.expert_starts(indices, experts)
+
+
+def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False,
+                  expert_starts=None):
+    """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]. expert_starts: from
+    sorted_expert_starts(indices, E), where the caller has it."""
+    if scales is not None and sorted_indices:
+        out = _try("moe_gemm", x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits,
+                   starts=expert_starts)
+        if out is not None:
+            return out
     if (scales is not None and sorted_indices and indices.size >= DEQUANT_GEMM_MIN_ROWS and backend() == "cuda"
             and enabled("moe_dequant_gemm")):
         return gather_matmul_dequantized(x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)
@@ -344,6 +359,7 @@ from . import deltanet_step as _deltanet_step  # noqa: E402,F401
 from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
+from . import moe_gemm as _moe_gemm  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
 DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

@@ -170,9 +170,11 @@ def common_header(text: str) -> str:
 
 
 def header(backend: str, body_text: str = "") -> str:
-    """The backend's prelude and the common helpers `body_text` needs."""
+    """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma), and the
+    common helpers it needs."""
     _check_backend(backend)
-    return read_source(f"prelude_{backend}.h") + common_header(body_text)
+    mma = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma\b", body_text) else ""
+    return read_source(f"prelude_{backend}.h") + mma + common_header(body_text)
 
 
 _CONDITIONAL = re.compile(r"#\s*(ifdef|ifndef|if|else|elif|endif)\b\s*(\w*)")

@@ -168,6 +168,15 @@ template <typename T> T simd_broadcast(T v, ushort) { return v; }
 inline void threadgroup_barrier(mem_flags) {}
 inline void simdgroup_barrier(mem_flags) {}
 
+template <typename T, int R, int C>
+struct simdgroup_matrix {
+  vec<T, 2> elems;
+  vec<T, 2>& thread_elements() { return elems; }
+};
+template <typename T>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>&, const simdgroup_matrix<T, 8, 8>&,
+                                   const simdgroup_matrix<T, 8, 8>&, const simdgroup_matrix<T, 8, 8>&) {}
+
 #else  // the emulator
 
 namespace metal_sim {
@@ -292,5 +301,46 @@ T simd_broadcast(T v, ushort lane) {
 }
 inline void threadgroup_barrier(mem_flags) { metal_sim::self.group->arrive_and_wait(); }
 inline void simdgroup_barrier(mem_flags) { metal_sim::self.simd->bar.arrive_and_wait(); }
+
+// An 8 x 8 simdgroup matrix: each lane holds row fm, columns fn and fn + 1 (the layout MLX's steel GEMM uses,
+// mlx/backend/metal/kernels/steel/gemm/mma.h), so a multiply gathers the 32 lanes' pairs.
+template <typename T, int R, int C>
+struct simdgroup_matrix {
+  static_assert(R == 8 && C == 8, "the shim emulates 8 x 8 simdgroup matrices");
+  vec<T, 2> elems;
+  vec<T, 2>& thread_elements() { return elems; }
+};
+namespace metal_sim {
+inline int frag_row(int lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+inline int frag_col(int lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+template <typename T>
+void gather_matrix(const vec<T, 2>& mine, float (&m)[8][8]) {
+  vec<float, 2> v(static_cast<float>(mine.x), static_cast<float>(mine.y));
+  std::memcpy(self.simd->slot[self.lane], &v, sizeof(v));
+  self.simd->bar.arrive_and_wait();
+  for (int l = 0; l < 32; ++l) {
+    vec<float, 2> p;
+    std::memcpy(&p, self.simd->slot[l], sizeof(p));
+    m[frag_row(l)][frag_col(l)] = p.x;
+    m[frag_row(l)][frag_col(l) + 1] = p.y;
+  }
+  self.simd->bar.arrive_and_wait();
+}
+}  // namespace metal_sim
+template <typename T>
+void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                                   const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c) {
+  float A[8][8], B[8][8];
+  metal_sim::gather_matrix(a.elems, A);
+  metal_sim::gather_matrix(b.elems, B);
+  const int r = metal_sim::frag_row(metal_sim::self.lane), c0 = metal_sim::frag_col(metal_sim::self.lane);
+  vec<T, 2> out;
+  for (int j = 0; j < 2; ++j) {
+    float acc = static_cast<float>(c.elems[j]);
+    for (int k = 0; k < 8; ++k) acc += A[r][k] * B[k][c0 + j];
+    out[j] = static_cast<T>(acc);
+  }
+  d.elems = out;
+}
 
 #endif

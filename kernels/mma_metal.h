@@ -1,0 +1,47 @@
+// Metal face of the tensor-core tile helpers (moe_gemm), the same names as mma_cuda.h.
+// kernels.header() appends this file only to the kernels that call lily_mma: MLX hashes each launch's source.
+#ifndef LILY_MMA_METAL_H
+#define LILY_MMA_METAL_H
+
+// Two floats rounded to a 16-bit T, packed low then high (a staged operand tile's pair).
+template <typename T> LILY_INLINE uint32_t lily_pack2(float lo, float hi) {
+  return static_cast<uint32_t>(as_type<ushort>(static_cast<T>(lo))) | (static_cast<uint32_t>(as_type<ushort>(static_cast<T>(hi))) << 16);
+}
+
+// Simdgroup matrix tiles (moe_gemm): 8 x 8 x 8 with float32 accumulators, each lane holding two neighbours of
+// row fm, columns fn and fn + 1 (the layout of MLX's steel GEMM, mlx/backend/metal/kernels/steel/gemm/mma.h).
+// A comes from an [m][k] tile, B from an [n][k] tile, both 16-bit T in threadgroup memory with ld values per row.
+#define LILY_MMA_M 8
+#define LILY_MMA_N 8
+#define LILY_MMA_K 8
+#define LILY_MMA_C_PAIRS 1
+template <typename T> using lily_mma_a = float2;
+template <typename T> using lily_mma_b = float2;
+typedef float2 lily_mma_c;
+LILY_INLINE int lily_mma_fm(int lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+LILY_INLINE int lily_mma_fn(int lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+LILY_INLINE void lily_mma_zero(LILY_THREAD float2& c) { c = float2(0.0f); }
+LILY_INLINE float lily_mma_get(float2 c, int i) { return c[i]; }
+LILY_INLINE int lily_mma_c_row(int lane, int) { return lily_mma_fm(lane); }
+LILY_INLINE int lily_mma_c_col(int lane, int) { return lily_mma_fn(lane); }
+template <typename T> LILY_INLINE void lily_mma_load_a(LILY_THREAD float2& a, const LILY_TG_PTR T* s, int ld, int lane) {
+  const LILY_TG_PTR T* p = s + lily_mma_fm(lane) * ld + lily_mma_fn(lane);
+  a = float2(static_cast<float>(p[0]), static_cast<float>(p[1]));
+}
+template <typename T> LILY_INLINE void lily_mma_load_b(LILY_THREAD float2& b, const LILY_TG_PTR T* s, int ld, int lane) {
+  const LILY_TG_PTR T* p = s + lily_mma_fn(lane) * ld + lily_mma_fm(lane);  // B[k = fm][n = fn, fn + 1]
+  b = float2(static_cast<float>(p[0]), static_cast<float>(p[ld]));
+}
+LILY_INLINE void lily_mma(LILY_THREAD float2& c, float2 a, float2 b) {
+  simdgroup_matrix<float, 8, 8> A, B, C;
+  A.thread_elements()[0] = a[0];
+  A.thread_elements()[1] = a[1];
+  B.thread_elements()[0] = b[0];
+  B.thread_elements()[1] = b[1];
+  C.thread_elements()[0] = c[0];
+  C.thread_elements()[1] = c[1];
+  simdgroup_multiply_accumulate(C, A, B, C);
+  c = float2(C.thread_elements()[0], C.thread_elements()[1]);
+}
+
+#endif

@@ -1,0 +1,109 @@
+"""moe_gemm: the prefill's expert GEMM with the 4/8-bit weights dequantized inside the tile (kernels/moe_gemm.inc,
+CUDA mma.sync and Metal simdgroup matrices behind one body).
+
+Rows arrive sorted by expert (SwitchGLU sorts them). `expert_starts` turns the sorted expert ids into the two
+prefix sums the kernel's blocks search: where each expert's rows and its 64-row tiles begin. Until this kernel,
+the prefill dequantized every expert of a layer to bf16 (1.6 GB written, then re-read by MLX's grouped GEMM,
+`moe_dequant_gemm`); here each block dequantizes one 128 x 64 slice of one expert's codes into shared memory.
+The tensor cores take 16-bit operands, so float32 activations keep the other paths.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from . import kernels, metal_source, register_kernel
+
+BM, BN, BK = 64, 128, 64  # the body's tile: rows, output columns, reduction slice
+THREADS = 256
+ACTIVATIONS = (mx.bfloat16, mx.float16)
+SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E")
+
+
+def expert_starts(indices: mx.array, experts: int) -> tuple[mx.array, mx.array]:
+    """Sorted expert ids [R] -> (row_starts, tile_starts), each [E + 1] int32: exclusive prefix sums of each
+    expert's rows and of its BM-row tiles (the kernel's row tiles never straddle two experts)."""
+    counts = mx.zeros((experts,), mx.int32).at[indices.astype(mx.int32)].add(1)  # [E]
+    zero = mx.zeros((1,), mx.int32)
+    row_starts = mx.concatenate([zero, mx.cumsum(counts)])
+    tile_starts = mx.concatenate([zero, mx.cumsum((counts + BM - 1) // BM)])
+    return row_starts, tile_starts
+
+
+def unsupported(x, w, indices, scales, biases, group_size: int, bits: int) -> Optional[str]:
+    """Why the kernel does not apply (None when it does)."""
+    if x.dtype not in ACTIVATIONS:
+        return f"activations {x.dtype}: the tensor-core GEMM takes bfloat16 or float16"
+    if bits not in (4, 8) or group_size % 32 or w.dtype != mx.uint32 or w.ndim != 3:
+        return f"bits={bits}, group_size={group_size}, w {w.dtype} {w.shape}: [E, N, K*bits/32] uint32, groups of 32k"
+    E, N, K = w.shape[0], w.shape[1], w.shape[2] * 32 // bits
+    if K % BK or x.shape[-1] != K:
+        return f"K={K} (x {x.shape}): the reduction must be a multiple of {BK} and match x"
+    if biases is None or scales.shape != (E, N, K // group_size) or biases.shape != scales.shape \
+            or biases.dtype != scales.dtype or scales.dtype not in (mx.float32, mx.bfloat16, mx.float16):
+        return f"scales/biases {scales.shape} do not match w {w.shape} at group {group_size}"
+    rows = x.size // K
+    if indices.size != rows or indices.dtype not in (mx.int32, mx.uint32):
+        return f"indices {indices.dtype} {indices.shape}: one int32/uint32 expert id per row of x ({rows})"
+    if rows * max(K, N) >= 2**31:
+        return "int32 indexing: rows x width over 2^31"
+    return None
+
+
+def instance(x_dtype, scale_dtype, rows: int, K: int, N: int, E: int, bits: int, group_size: int) -> kernels.Instance:
+    template = (("T", x_dtype), ("TS", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", K), ("N", N),
+                ("E", E))
+    inputs = ((x_dtype, (rows, K)), (mx.int32, (E + 1,)), (mx.int32, (E + 1,)), (mx.uint32, (E, N, K * bits // 32)),
+              (scale_dtype, (E, N, K // group_size)), (scale_dtype, (E, N, K // group_size)))
+    return kernels.Instance(template, inputs, (x_dtype,))
+
+
+def blocks(rows: int, N: int, E: int) -> int:
+    """An upper bound on the launch's blocks: every expert adds at most one partial row tile."""
+    return (-(-rows // BM) + min(E, rows)) * -(-N // BN)
+
+
+def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, backend: str,
+                  starts: Optional[tuple[mx.array, mx.array]] = None, init_value: Optional[float] = None):
+    """x [..., 1, K] rows sorted by expert, w [E, N, K*bits/32], indices [...] (sorted) -> [..., 1, N] in x's
+    dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E) if already computed."""
+    if unsupported(x, w, indices, scales, biases, group_size, bits) is not None:
+        return None
+    E, N, K = w.shape[0], w.shape[1], x.shape[-1]
+    rows = x.size // K
+    row_starts, tile_starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
+    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size)
+    y = kernels.call("moe_gemm", backend, [x.reshape(rows, K), tile_starts, row_starts, w, scales, biases],
+                     list(inst.template), (blocks(rows, N, E) * THREADS, 1, 1), (THREADS, 1, 1), [(rows, N)],
+                     [x.dtype], init_value)[0]
+    return y.reshape(*x.shape[:-1], N)
+
+
+# The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes.
+def _instances() -> list[kernels.Instance]:
+    insts = [instance(t, mx.bfloat16, 16384, K, N, 256, 4, 64) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))]
+    insts += [instance(mx.bfloat16, mx.bfloat16, 70, 192, 160, 5, 4, 64), instance(mx.float16, mx.float32, 37, 128, 96, 3, 8, 32),
+              instance(mx.bfloat16, mx.float16, 9, 256, 136, 4, 4, 128)]
+    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_gemm", i.template, i.inputs,
+                                                                                      i.output_dtypes))
+
+
+SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_gemm", body="moe_gemm.inc",
+    input_names=("x", "tile_starts", "row_starts", "w", "scales", "biases"), output_names=("y",),
+    template_params=SPEC_PARAMS,
+    description="prefill experts: a grouped GEMM on rows sorted by expert, 4/8-bit weights dequantized in the tile, "
+                "tensor cores",
+    instances=_instances,
+))
+
+
+def _dispatch(x, w, indices, **kwargs):
+    from . import backend
+
+    return gather_matmul(x, w, indices, backend=backend(), **kwargs)
+
+
+register_kernel("moe_gemm", SPEC.description + " (not yet run on a GPU)", _dispatch, default_on=False)

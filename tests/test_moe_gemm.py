@@ -1,0 +1,167 @@
+"""moe_gemm (the prefill's expert GEMM, weights dequantized in the tile, tensor cores) against the float32 oracle.
+
+CPU: the Metal source run by the shim's SIMT emulator on odd shapes (rows per expert none, 1, 64 + 1, all on
+one expert; N not a multiple of the tile; outputs start as NaN), the expert prefix sums, the dispatcher (off by
+default, never on CPU, declines float32). GPU (`cuda`/`metal`): the same through MLX, the 35B-A3B expert shapes
+on 16,384 sorted rows against MLX's quantized gather, and a whole-model prefill with the kernel on vs off.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lily_mlx import ops
+from lily_mlx.ops import moe_gemm as mg
+from lily_mlx.ops import reference
+from emulator import GXX, Emulator
+
+F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
+# (rows per expert, K, N, bits, group, x dtype, scales dtype)
+CASES = [((0, 65, 1, 4, 0), 128, 160, 4, 64, BF16, BF16), ((37, 0, 0), 128, 96, 8, 32, F16, F32),
+         ((2, 3, 0, 4), 256, 136, 4, 128, BF16, F16)]
+
+
+def _case(counts, K, N, bits, group, xdt, sdt, seed):
+    E, rows = len(counts), sum(counts)
+    k = mx.random.split(mx.random.key(seed), 2)
+    q, s, b = mx.quantize(mx.random.normal((E, N, K), key=k[0]) * 0.1, group_size=group, bits=bits)
+    idx = mx.array(np.repeat(np.arange(E), counts).astype(np.int32))
+    x = mx.random.normal((rows, 1, K), key=k[1]).astype(xdt)
+    return x, q, s.astype(sdt), b.astype(sdt), idx
+
+
+def _oracle(x, q, s, b, idx, group, bits):
+    with mx.stream(mx.cpu):
+        return reference.gather_matmul_oracle(x.astype(F32), q, idx, scales=s.astype(F32), biases=b.astype(F32),
+                                              group_size=group, bits=bits)
+
+
+def _check(got, want, xdt):
+    g, w = got.astype(F32), want.astype(F32)
+    assert got.shape == want.shape and got.dtype == xdt
+    assert not mx.isnan(g).any().item(), "unwritten (NaN) outputs"
+    err = (mx.linalg.norm(g - w) / mx.linalg.norm(w)).item()
+    assert err < 1e-2, f"relative error {err:.2e}"  # the 16-bit operands' rounding; a wrong tile is O(1)
+
+
+def test_expert_starts_are_prefix_sums():
+    counts = [0, 65, 1, 128, 0, 3]
+    idx = mx.array(np.repeat(np.arange(6), counts).astype(np.uint32))
+    rows, tiles = mg.expert_starts(idx, 6)
+    assert rows.tolist() == [0, 0, 65, 66, 194, 194, 197]
+    assert tiles.tolist() == [0, 0, 2, 3, 5, 5, 6]
+    assert mg.blocks(197, 160, 6) >= tiles[-1].item() * 2  # the launch covers every tile of both column tiles
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_metal_emulated_matches_oracle(tmp_path):
+    emu, wants = Emulator(tmp_path), []
+    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
+        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
+        E, rows = len(counts), sum(counts)
+        row_starts, tile_starts = mg.expert_starts(idx, E)
+        emu.add(mg.SPEC, mg.instance(xdt, sdt, rows, K, N, E, bits, group),
+                [x.reshape(rows, K), tile_starts, row_starts, q, s, b],
+                (mg.blocks(rows, N, E) * mg.THREADS, 1, 1), (mg.THREADS, 1, 1), [(rows, N)])
+        wants.append((_oracle(x, q, s, b, idx, group, bits).reshape(rows, N), xdt))
+    for (want, xdt), (got,) in zip(wants, emu.run()):
+        _check(got, want, xdt)
+
+
+def test_dispatch_off_by_default_never_on_cpu_and_declines(monkeypatch):
+    x, q, s, b, idx = _case((3, 0, 5), 64, 32, 4, 32, BF16, BF16, 7)
+    kw = dict(scales=s, biases=b, group_size=32, bits=4, sorted_indices=True)
+    calls = []
+    monkeypatch.setitem(ops._kernels, "moe_gemm", lambda *a, **k: calls.append(k) or reference.gather_matmul(*a[:3], **{
+        n: k[n] for n in ("scales", "biases", "group_size", "bits")}))
+    want = reference.gather_matmul(x, q, idx, **kw)
+    assert mx.array_equal(ops.gather_matmul(x, q, idx, **kw), want).item()
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    ops.gather_matmul(x, q, idx, **kw)
+    assert not calls and ops.sorted_expert_starts(idx, 3) is None  # opt-in
+    with ops.switched("moe_gemm", True):
+        starts = ops.sorted_expert_starts(idx, 3)
+        ops.gather_matmul(x, q, idx, expert_starts=starts, **kw)
+        ops.gather_matmul(x, q, idx, **{**kw, "sorted_indices": False})  # unsorted rows: never
+        monkeypatch.setattr(ops, "backend", lambda: "cpu")
+        ops.gather_matmul(x, q, idx, **kw)
+    assert len(calls) == 1 and calls[0]["starts"] is starts
+    assert [a.tolist() for a in starts] == [[0, 3, 3, 8], [0, 1, 1, 2]]
+
+
+def test_unsupported_arguments_are_declined():
+    x, q, s, b, idx = _case((3, 2), 128, 40, 4, 64, BF16, BF16, 8)
+    why = lambda **over: mg.unsupported(*[over.get(n, v) for n, v in
+                                          (("x", x), ("w", q), ("indices", idx), ("scales", s), ("biases", b))],
+                                        over.get("group_size", 64), over.get("bits", 4))
+    assert why() is None
+    assert "bfloat16 or float16" in why(x=x.astype(F32))
+    assert "bits" in why(bits=3) and "groups of 32" in why(group_size=16)
+    assert "multiple of 64" in why(x=x[..., :96], w=q[..., :12], scales=s[..., :1], biases=b[..., :1])
+    assert "do not match" in why(biases=None)
+    assert "one int32/uint32 expert id per row" in why(indices=idx[:4])
+    assert mg.gather_matmul(x.astype(F32), q, idx, scales=s, biases=b, group_size=64, bits=4, backend="cuda") is None
+
+
+def _gpu(backend):
+    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
+        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
+        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                               init_value=float("nan"))
+        _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
+    # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
+    # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather.
+    E, rows = 256, 16384
+    rng = np.random.default_rng(3)
+    idx = mx.array(np.sort(np.concatenate([np.full(1000, 7), rng.integers(0, E - 3, rows - 1000)])).astype(np.uint32))
+    for K, N in ((2048, 512), (512, 2048)):
+        q, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(K)) * 0.05, group_size=64, bits=4)
+        s, b = s.astype(BF16), b.astype(BF16)
+        x = mx.random.normal((rows, 1, K), key=mx.random.key(N)).astype(BF16)
+        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=64, bits=4, backend=backend,
+                               init_value=float("nan"))
+        want = reference.gather_matmul(x, q, idx, scales=s, biases=b, group_size=64, bits=4, sorted_indices=True)
+        _check(got, want, BF16)
+
+
+@pytest.mark.cuda
+def test_moe_gemm_cuda():
+    _gpu("cuda")
+
+
+@pytest.mark.metal
+def test_moe_gemm_metal():
+    _gpu("metal")
+
+
+def _model_prefill_on_vs_off():
+    """A 4-bit embedded-model prefill of 300 tokens (2,400 sorted expert rows) with moe_gemm on vs off."""
+    from lily_mlx.embedded import load_embedded
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load_embedded(quantized=True)
+    toks = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)))
+    calls, real = [], ops._kernels["moe_gemm"]
+    logits = {}
+    for on in (False, True):
+        with ops.switched("moe_gemm", on):
+            ops._kernels["moe_gemm"] = lambda *a, **k: calls.append(on) or real(*a, **k)
+            try:
+                logits[on] = model(toks, cache=make_prompt_cache(model)).astype(F32)
+            finally:
+                ops._kernels["moe_gemm"] = real
+    assert calls and all(calls), "the kernel path was not taken"
+    err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+    assert err < 2e-2, f"prefill logits with moe_gemm: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_gemm_cuda():
+    _model_prefill_on_vs_off()
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_gemm_metal():
+    _model_prefill_on_vs_off()
