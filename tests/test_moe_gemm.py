@@ -137,19 +137,19 @@ def test_moe_gemm_metal():
 
 
 def _model_prefill_on_vs_off():
-    """A 4-bit embedded-model prefill of 300 tokens (2,400 sorted expert rows) with moe_gemm on vs off."""
-    from lily_mlx.embedded import load_embedded
-    from mlx_lm.models.cache import make_prompt_cache
+    """The 4-bit embedded model (bf16 activations) prefilling 300 tokens, 600 sorted expert rows, moe_gemm on vs off."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
-    model, _ = load_embedded(quantized=True)
-    toks = mx.array(np.random.default_rng(0).integers(0, model.args.vocab_size, (1, 300)))
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=BF16)
+    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 300)))
     calls, real = [], ops._kernels["moe_gemm"]
     logits = {}
     for on in (False, True):
         with ops.switched("moe_gemm", on):
             ops._kernels["moe_gemm"] = lambda *a, **k: calls.append(on) or real(*a, **k)
             try:
-                logits[on] = model(toks, cache=make_prompt_cache(model)).astype(F32)
+                logits[on] = model(toks, cache=model.make_cache()).astype(F32)
             finally:
                 ops._kernels["moe_gemm"] = real
     assert calls and all(calls), "the kernel path was not taken"
