@@ -28,18 +28,18 @@ LILY_INLINE void lily_mma_zero(lily_mma_c& c) { c.r[0] = c.r[1] = c.r[2] = c.r[3
 LILY_INLINE float lily_mma_get(const lily_mma_c& c, int i) { return c.r[i]; }
 LILY_INLINE int lily_mma_c_row(int lane, int pair) { return (lane >> 2) + 8 * pair; }
 LILY_INLINE int lily_mma_c_col(int lane, int) { return 2 * (lane & 3); }
-template <typename T> LILY_INLINE uint32_t lily_smem_pair(const T* s) { return *reinterpret_cast<const uint32_t*>(s); }
+// ldmatrix: each group of 8 lanes names the 8 rows (16 bytes each) of one 8 x 8 matrix; matrix i lands in r[i].
+LILY_INLINE uint32_t lily_smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 template <typename T> LILY_INLINE void lily_mma_load_a(lily_mma_a<T>& a, const T* s, int ld, int lane) {
-  const T* p = s + (lane >> 2) * ld + 2 * (lane & 3);
-  a.r[0] = lily_smem_pair(p);
-  a.r[1] = lily_smem_pair(p + 8 * ld);
-  a.r[2] = lily_smem_pair(p + 8);
-  a.r[3] = lily_smem_pair(p + 8 * ld + 8);
+  // matrices: rows 0-7 and 8-15 at k 0, then the same rows at k 8 (the a0..a3 register order)
+  const uint32_t addr = lily_smem_addr(s + (lane & 15) * ld + (lane >> 4) * 8);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a.r[0]), "=r"(a.r[1]), "=r"(a.r[2]), "=r"(a.r[3]) : "r"(addr) : "memory");
 }
 template <typename T> LILY_INLINE void lily_mma_load_b(lily_mma_b<T>& b, const T* s, int ld, int lane) {
-  const T* p = s + (lane >> 2) * ld + 2 * (lane & 3);
-  b.r[0] = lily_smem_pair(p);
-  b.r[1] = lily_smem_pair(p + 8);
+  // matrices: n rows 0-7 at k 0, then at k 8 (lanes 16-31 name no row for .x2)
+  const uint32_t addr = lily_smem_addr(s + (lane & 7) * ld + ((lane >> 3) & 1) * 8);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(b.r[0]), "=r"(b.r[1]) : "r"(addr) : "memory");
 }
 LILY_INLINE void lily_mma(lily_mma_c& c, const lily_mma_a<__nv_bfloat16>& a, const lily_mma_b<__nv_bfloat16>& b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"

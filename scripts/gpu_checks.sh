@@ -6,6 +6,7 @@
 #   bash scripts/gpu_checks.sh [seconds available, default 560]
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
+# SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,6 +18,7 @@ left() { echo $((budget - ($(date +%s) - start))); }
 step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
   local need=$1 cap=$2 name=$3 limit
   shift 3
+  if [ -n "${SKIP:-}" ] && [[ "$name" =~ $SKIP ]]; then echo "== $name: skipped (SKIP)"; return; fi
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
   limit=$(left)
   if [ "$cap" -gt 0 ] && [ "$cap" -lt "$limit" ]; then limit=$cap; fi
@@ -32,29 +34,29 @@ model=${MODEL:-/tmp/r35}
   [ "$(cat "$d/vendor")" = 0x10de ] && grep -q '^0x03' "$d/class" && echo "GPU $(basename "$d") local CPUs $(cat "$d/local_cpulist")"
 done) 2>/dev/null
 if [ -n "${TESTS:-}" ]; then
-  step 90 150 "tests on the GPU: $TESTS" python3 -m pytest -q -n 8 -p no:cacheprovider $TESTS
+  step 90 150 "tests on the GPU: $TESTS" python3 -m pytest -q -n 8 -p no:cacheprovider --junitxml="$out/tests.xml" $TESTS
 else
-  step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --ignore=tests/test_notebooks.py
+  step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$out/tests.xml" \
+    --ignore=tests/test_notebooks.py
 fi
 wait
-# moe_gemm (2026-12-04, the experts' GEMM dequantized in the tile): whole prefills with it on vs off, and the routed
-# experts of one layer by token count on its three paths.
+# moe_gemm (the experts' GEMM dequantized in the tile): whole prefills with it on vs off, the routed experts of one
+# layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
 step 60 120 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
   --whole-only --no-bounded --ab-switch moe_gemm --sweep --json "$out/prefill_moe_gemm.json"
+step 60 60 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+  --whole-only --headroom 0.5 --json "$out/prefill_capped.json"
 # The opt-in kernels of 2026-12-03 (qmv_attn, dequant_rows): the step on vs off at a short cache (capacity 256,
 # 17 splits: qmv_attn folds up to 24), in one process.
 step 60 80 "decode step, qmv_attn+dequant_rows on vs off" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch qmv_attn+dequant_rows --json "$out/decode_ab_fold.json"
 # Where the decode step's CPU time goes inside MLX (native stacks; py-spy is carried in as a wheel where present).
 if command -v py-spy >/dev/null; then
-  step 60 90 "native CPU profile of the decode step" py-spy record --native -r 400 -f raw \
-    -o "$out/decode_native.txt" -- python3 -m bench.profile_decode --model "$model" --context 64 --steps 1500 --no-ops
+  step 60 110 "native CPU profile of the decode step" py-spy record --native -r 100 -d 75 -f raw \
+    -o "$out/decode_native.txt" -- python3 -m bench.profile_decode --model "$model" --context 64 --steps 4000 --no-ops
 fi
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$out/launch_cost.json"
-# Issue 5's memory bound (<= weights + 3 GB at 8192 tokens): how much speed each run-ahead cap costs.
-step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
-  --whole-only --headroom 0.5 1 2 --json "$out/prefill_capped.json"
 step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \

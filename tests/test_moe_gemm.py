@@ -70,23 +70,27 @@ def test_metal_emulated_matches_oracle(tmp_path):
         _check(got, want, xdt)
 
 
-def test_dispatch_off_by_default_never_on_cpu_and_declines(monkeypatch):
+def test_dispatch_from_its_row_threshold_on_gpus_only(monkeypatch):
     x, q, s, b, idx = _case((3, 0, 5), 64, 32, 4, 32, BF16, BF16, 7)
     kw = dict(scales=s, biases=b, group_size=32, bits=4, sorted_indices=True)
     calls = []
     monkeypatch.setitem(ops._kernels, "moe_gemm", lambda *a, **k: calls.append(k) or reference.gather_matmul(*a[:3], **{
         n: k[n] for n in ("scales", "biases", "group_size", "bits")}))
     want = reference.gather_matmul(x, q, idx, **kw)
-    assert mx.array_equal(ops.gather_matmul(x, q, idx, **kw), want).item()
+    assert mx.array_equal(ops.gather_matmul(x, q, idx, **kw), want).item()  # CPU: MLX's gather
+    assert ops.sorted_expert_starts(idx, 3) is None
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     ops.gather_matmul(x, q, idx, **kw)
-    assert not calls and ops.sorted_expert_starts(idx, 3) is None  # opt-in
-    with ops.switched("moe_gemm", True):
-        starts = ops.sorted_expert_starts(idx, 3)
-        ops.gather_matmul(x, q, idx, expert_starts=starts, **kw)
-        ops.gather_matmul(x, q, idx, **{**kw, "sorted_indices": False})  # unsorted rows: never
-        monkeypatch.setattr(ops, "backend", lambda: "cpu")
+    assert not calls and ops.sorted_expert_starts(idx, 3) is None  # 8 rows: below the threshold
+    monkeypatch.setattr(ops, "MOE_GEMM_MIN_ROWS", 8)
+    starts = ops.sorted_expert_starts(idx, 3)
+    ops.gather_matmul(x, q, idx, expert_starts=starts, **kw)
+    ops.gather_matmul(x, q, idx, **{**kw, "sorted_indices": False})  # unsorted rows: never
+    with ops.disabled("moe_gemm"):
         ops.gather_matmul(x, q, idx, **kw)
+        assert ops.sorted_expert_starts(idx, 3) is None
+    monkeypatch.setattr(ops, "backend", lambda: "cpu")
+    ops.gather_matmul(x, q, idx, **kw)
     assert len(calls) == 1 and calls[0]["starts"] is starts
     assert [a.tolist() for a in starts] == [[0, 3, 3, 8], [0, 1, 1, 2]]
 
