@@ -142,14 +142,15 @@ def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256, 2048)) -> list:
         run = lambda: wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
         with ops.disabled("moe_dequant_gemm", "moe_gemm"):
             t_q = run()
-        saved, ops.DEQUANT_GEMM_MIN_ROWS = ops.DEQUANT_GEMM_MIN_ROWS, 0
+        saved = ops.DEQUANT_GEMM_MIN_ROWS, ops.MOE_GEMM_MIN_ROWS
+        ops.DEQUANT_GEMM_MIN_ROWS = ops.MOE_GEMM_MIN_ROWS = 0  # each path at every count, whatever the dispatcher's rule
         try:
             with ops.disabled("moe_gemm"):
                 t_d = run()
+            with ops.switched("moe_gemm", True):
+                t_m = run()
         finally:
-            ops.DEQUANT_GEMM_MIN_ROWS = saved
-        with ops.switched("moe_gemm", True):
-            t_m = run()
+            ops.DEQUANT_GEMM_MIN_ROWS, ops.MOE_GEMM_MIN_ROWS = saved
         rows.append({"tokens": T, "rows": T * moe.top_k, "gather_qmm_ms": 1e3 * t_q, "dequant_gemm_ms": 1e3 * t_d,
                      "moe_gemm_ms": 1e3 * t_m})
     return rows

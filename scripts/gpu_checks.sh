@@ -22,9 +22,11 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
   limit=$(left)
   if [ "$cap" -gt 0 ] && [ "$cap" -lt "$limit" ]; then limit=$cap; fi
-  echo "== $name ($(left) s left, limit $limit s)"
-  timeout "$limit" "$@" 2>&1 | grep -v "incorrect regex pattern"
+  echo "== $name ($(left) s left, limit $limit s)" | tee -a "$out/log.txt"
+  # SIGABRT at the limit: Python's fault handler then prints where each thread was.
+  timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v "incorrect regex pattern" | tee -a "$out/log.txt"
 }
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 # The copied .git may be stale there: the digest of the code names the tree (python -m bench.ab --digest here).
 echo "source digest $(python3 -m bench.ab --digest)"
 model=${MODEL:-/tmp/r35}
@@ -42,18 +44,21 @@ fi
 wait
 # moe_gemm (the experts' GEMM dequantized in the tile): whole prefills with it on vs off, the routed experts of one
 # layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
-step 60 120 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
-  --whole-only --no-bounded --ab-switch moe_gemm --sweep --json "$out/prefill_moe_gemm.json"
-step 60 60 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
+  --whole-only --no-bounded --ab-switch moe_gemm --json "$out/prefill_moe_gemm.json"
+step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
   --whole-only --headroom 0.5 --json "$out/prefill_capped.json"
+step 60 120 "routed experts by token count, three paths" python3 -m bench.profile_prefill --model "$model" \
+  --tokens 512 --whole-only --no-bounded --sweep --json "$out/expert_sweep.json"
 # The opt-in kernels of 2026-12-03 (qmv_attn, dequant_rows): the step on vs off at a short cache (capacity 256,
 # 17 splits: qmv_attn folds up to 24), in one process.
 step 60 80 "decode step, qmv_attn+dequant_rows on vs off" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch qmv_attn+dequant_rows --json "$out/decode_ab_fold.json"
 # Where the decode step's CPU time goes inside MLX (native stacks; py-spy is carried in as a wheel where present).
 if command -v py-spy >/dev/null; then
-  step 60 110 "native CPU profile of the decode step" py-spy record --native -r 100 -d 75 -f raw \
+  step 60 110 "native CPU profile of the decode step" py-spy record --native -r 100 -d 60 -f raw \
     -o "$out/decode_native.txt" -- python3 -m bench.profile_decode --model "$model" --context 64 --steps 4000 --no-ops
+  gzip -f "$out/decode_native.txt" 2>/dev/null  # raw stacks run to ~20 MB; the lease returns files up to 16 MiB
 fi
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$out/launch_cost.json"
