@@ -98,6 +98,68 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
             "off_ms": statistics.median(times[False]), "rounds_on_ms": times[True], "rounds_off_ms": times[False]}
 
 
+def native_profile(model, context: int, vocab: int, path: Path, seconds: float, rate: int = 200) -> dict:
+    """Where the pipelined decode loop's CPU time goes, native frames included: py-spy attached to this process
+    for `seconds` once the step is traced and warm (so it samples neither imports nor the model load), stacks
+    written raw to `path` (gzipped), the frames that hold the most samples returned."""
+    import gzip
+    import os
+    import shutil
+    import subprocess
+
+    from lily_mlx.decode import CompiledDecoder
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"error": "py-spy is not installed"}
+    cache = prefilled_cache(model, context, vocab)
+    dec = CompiledDecoder(model, cache, reserve=int(seconds * 1000) + 64)  # < 1 ms a step would be news
+    nxt = mx.array([[1]])
+    for _ in range(3):
+        nxt = mx.argmax(dec(nxt), axis=-1)[:, None]
+        mx.eval(nxt)
+    raw = path.with_suffix("")
+    proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "-r", str(rate), "-d", str(max(1, round(seconds))),
+                             "-f", "raw", "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    steps = 0
+    while proc.poll() is None and steps < int(seconds * 1000):
+        cur = nxt
+        nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+        mx.async_eval(nxt)
+        mx.eval(cur)
+        steps += 1
+    err = proc.communicate()[1]
+    if proc.returncode != 0 or not raw.is_file():
+        return {"error": f"py-spy exited {proc.returncode}: {err.strip()[-500:]}", "steps": steps}
+    with raw.open("rb") as f, gzip.open(path, "wb") as g:
+        shutil.copyfileobj(f, g)
+    summary = summarize_stacks(raw.read_text().splitlines(), within="native_profile")  # the decoding thread
+    raw.unlink()
+    return {"steps": steps, "raw": str(path), **summary}
+
+
+def summarize_stacks(lines, within: str = "", top: int = 40) -> dict:
+    """py-spy raw lines ('frame;frame;... count') -> the frames holding the most samples, inclusive and self, over
+    the stacks that pass through a frame named `within`."""
+    import collections
+    import re
+
+    incl, own, total = collections.Counter(), collections.Counter(), 0
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = [re.sub(r" \([^()]*\)$", "", f)[:160] for f in stack.split(";")]
+        if within and within not in frames:
+            continue
+        total += int(n)
+        for f in set(frames):
+            incl[f] += int(n)
+        own[frames[-1]] += int(n)
+    pct = lambda c: [(f, round(100 * k / max(total, 1), 1)) for f, k in c.most_common(top)]
+    return {"samples": total, "inclusive_pct": pct(incl), "self_pct": pct(own)}
+
+
 def op_times(model, context: int, reps: int = 20) -> dict:
     """Each fused op of a DeltaNet layer, an attention layer and the lm_head, alone, in microseconds."""
     from lily_mlx import ops
@@ -155,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ops", action="store_true", help="time the whole step only, not each fused op")
     ap.add_argument("--ab-switch", help="also time the step with this switch on vs off, alternating in one process "
                                         "(a+b: both flipped together)")
+    ap.add_argument("--py-spy", dest="py_spy", type=Path, metavar="PATH.gz",
+                    help="also profile the warm decode loop's CPU time with py-spy (native frames), stacks to PATH.gz")
+    ap.add_argument("--py-spy-seconds", type=float, default=20.0)
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, tokenizer = lily_mlx.load(args.model)
@@ -174,6 +239,18 @@ def main(argv=None) -> int:
             report.setdefault("switch_ab", []).append(ab)
             print(f"  {args.ab_switch} on {ab['on_ms']:.2f} ms, off {ab['off_ms']:.2f} ms per pipelined step "
                   f"(medians of {len(ab['rounds_on_ms'])} alternating rounds)", flush=True)
+        if args.py_spy:
+            prof = native_profile(model, ctx, vocab, args.py_spy, args.py_spy_seconds)
+            report.setdefault("native_profile", []).append({"context": ctx, **prof})
+            if "error" in prof:
+                print(f"  native profile: {prof['error']}", flush=True)
+            else:
+                print(f"  native profile: {prof['samples']} samples over {prof['steps']} steps; most inclusive:", flush=True)
+                for f, pct in prof["inclusive_pct"][:25]:
+                    print(f"    {pct:5.1f}%  {f}", flush=True)
+                print("  most self:", flush=True)
+                for f, pct in prof["self_pct"][:15]:
+                    print(f"    {pct:5.1f}%  {f}", flush=True)
         if args.no_ops:
             continue
         report["ops"][ctx] = op_times(model, ctx)

@@ -4,6 +4,7 @@
 # NVIDIA machine with MLX's CUDA build importable (the server step needs the `server` extra); reports go
 # to ${OUT:-gpu-results}/.
 #   bash scripts/gpu_checks.sh [seconds available, default 560]
+# Output: log.txt (every step's output) and reports.tgz (the JSON reports, the junit file, the decode profile).
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
@@ -12,7 +13,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 budget=${1:-560}
 out=${OUT:-gpu-results}
-mkdir -p "$out"
+# Every report lands in $res and is tarred into $out/reports.tgz after each step: a device lease returns at most
+# 8 files from $OUT, so there (OUT set) the reports themselves stay outside it.
+res=${OUT:+/tmp/lily-reports}
+res=${res:-$out/reports}
+mkdir -p "$out" "$res"
 start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - start))); }
 step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
@@ -25,6 +30,7 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
   echo "== $name ($(left) s left, limit $limit s)" | tee -a "$out/log.txt"
   # SIGABRT at the limit: Python's fault handler then prints where each thread was.
   timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | grep -v "incorrect regex pattern" | tee -a "$out/log.txt"
+  tar czf "$out/reports.tgz" -C "$res" .
 }
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 # The copied .git may be stale there: the digest of the code names the tree (python -m bench.ab --digest here).
@@ -36,38 +42,37 @@ model=${MODEL:-/tmp/r35}
   [ "$(cat "$d/vendor")" = 0x10de ] && grep -q '^0x03' "$d/class" && echo "GPU $(basename "$d") local CPUs $(cat "$d/local_cpulist")"
 done) 2>/dev/null
 if [ -n "${TESTS:-}" ]; then
-  step 90 150 "tests on the GPU: $TESTS" python3 -m pytest -q -n 8 -p no:cacheprovider --junitxml="$out/tests.xml" $TESTS
+  echo "tests: $TESTS"
+  step 90 150 "tests on the GPU" python3 -m pytest -q -n 8 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
 else
-  step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$out/tests.xml" \
+  step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" \
     --ignore=tests/test_notebooks.py
 fi
 wait
+# Where the decode step's CPU time goes inside MLX: py-spy (carried in as a wheel) on the warm decode loop only.
+if command -v py-spy >/dev/null; then
+  step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
+    --steps 16 --no-ops --py-spy "$res/decode_native.txt.gz" --py-spy-seconds 20 --json "$res/decode_native.json"
+fi
+# Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
+step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
+  --json "$res/prefill_parts.json"
 # moe_gemm (the experts' GEMM dequantized in the tile): whole prefills with it on vs off, the routed experts of one
 # layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
-  --whole-only --no-bounded --ab-switch moe_gemm --json "$out/prefill_moe_gemm.json"
+  --whole-only --no-bounded --ab-switch moe_gemm --json "$res/prefill_moe_gemm.json"
 step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
-  --whole-only --headroom 0.5 --json "$out/prefill_capped.json"
+  --whole-only --headroom 0.5 --json "$res/prefill_capped.json"
 step 60 120 "routed experts by token count, three paths" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 512 --whole-only --no-bounded --sweep --json "$out/expert_sweep.json"
-# The opt-in kernels of 2026-12-03 (qmv_attn, dequant_rows): the step on vs off at a short cache (capacity 256,
-# 17 splits: qmv_attn folds up to 24), in one process.
-step 60 80 "decode step, qmv_attn+dequant_rows on vs off" python3 -m bench.profile_decode --model "$model" \
-  --context 64 --steps 16 --no-ops --ab-switch qmv_attn+dequant_rows --json "$out/decode_ab_fold.json"
-# Where the decode step's CPU time goes inside MLX (native stacks; py-spy is carried in as a wheel where present).
-if command -v py-spy >/dev/null; then
-  step 60 110 "native CPU profile of the decode step" py-spy record --native -r 100 -d 60 -f raw \
-    -o "$out/decode_native.txt" -- python3 -m bench.profile_decode --model "$model" --context 64 --steps 4000 --no-ops
-  gzip -f "$out/decode_native.txt" 2>/dev/null  # raw stacks run to ~20 MB; the lease returns files up to 16 MiB
-fi
+  --tokens 512 --whole-only --no-bounded --sweep --json "$res/expert_sweep.json"
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
-step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$out/launch_cost.json"
-step 60 120 "kernel table" python3 -m bench.kernels --json "$out/kernels.json"
+step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
+step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
-    --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$out/serve8${enable:+_$enable}.json"
+    --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done
 # Each round records the hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
-  --no-progress --json "$out/ab.json" --markdown "$out/ab.md" --plot "$out/ab.png"
+  --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
