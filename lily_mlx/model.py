@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
-from . import ops
+from . import memory, ops
 from .config import ModelConfig
 from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, embedded, normed, output_weights
 
@@ -270,8 +270,15 @@ class TextModel(nn.Module):
             cache = [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        ahead = memory.layers_ahead() if h.shape[1] > 1 else None
+        queued = []
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+            if ahead is not None:  # a bounded prefill: dispatch this layer, wait for the one `ahead` back
+                mx.async_eval(h, [] if c is None else c.state)
+                queued.append(h)
+                if len(queued) > ahead:
+                    mx.eval(queued.pop(0))
         return h
 
 

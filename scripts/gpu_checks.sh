@@ -61,8 +61,8 @@ step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --mo
 # layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
   --whole-only --no-bounded --ab-switch moe_gemm --json "$res/prefill_moe_gemm.json"
-step 60 100 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
-  --whole-only --headroom 0.5 --json "$res/prefill_capped.json"
+step 60 150 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+  --whole-only --headroom 0.5 --layers-ahead 1 2 4 --json "$res/prefill_capped.json"
 step 60 120 "routed experts by token count, three paths" python3 -m bench.profile_prefill --model "$model" \
   --tokens 512 --whole-only --no-bounded --sweep --json "$res/expert_sweep.json"
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.

@@ -321,10 +321,11 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     decode = importlib.import_module(bench.__name__ + ".profile_decode")
     model = str(EMBEDDED_4BIT_MODEL)
     assert prefill.main(["--model", model, "--tokens", "70", "--ab-switch", "deltanet_chunk", "--sweep",
-                         "--headroom", "0.5", "2", "--json", str(tmp_path / "p.json")]) == 0
+                         "--headroom", "0.5", "2", "--layers-ahead", "1", "--json", str(tmp_path / "p.json")]) == 0
     (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert row["tokens"] == 70 and "deltanet_chunk off" in row["flipped"]
-    assert [b["headroom_gb"] for b in row["bounded"]] == [0.5, 2] and all(b["prefill_s"] > 0 for b in row["bounded"])
+    assert [b.get("headroom_gb", b.get("layers_ahead")) for b in row["bounded"]] == [0.5, 2, 1]
+    assert all(b["prefill_s"] > 0 for b in row["bounded"])
     assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
     assert prefill.main(["--model", model, "--tokens", "33", "--whole-only", "--no-bounded",
                          "--json", str(tmp_path / "w.json")]) == 0

@@ -232,3 +232,42 @@ def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
         with pytest.raises(ValueError, match=memory.HEADROOM_ENV):
             with bounded_prefill():
                 pass
+
+
+def test_bounded_prefill_layers_ahead(monkeypatch):
+    """layers=N: the prefill waits for the layer N back after dispatching each one (N + 1 layers per wait at most),
+    with the same logits as the unbounded prefill; a one-token step never waits; bad values name the variable."""
+    from lily_mlx import memory
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    monkeypatch.delenv(memory.HEADROOM_ENV, raising=False)
+    monkeypatch.delenv(memory.LAYERS_ENV, raising=False)
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
+    n_layers = len(model.language_model.model.layers)
+    prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 40, 41]])
+    waits, real_eval = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: waits.append(len(a)) or real_eval(*a))
+
+    def run(**bound):
+        waits.clear()
+        cache = model.make_cache()
+        with memory.bounded_prefill(**bound):
+            out = model(prompt, cache=cache)
+            real_eval(out)
+            n = len(waits)
+            model(prompt[:, :1], cache=cache)  # a decode step under the bound
+        return out, n, len(waits) - n
+
+    want, n, _ = run()
+    assert n == 0 and memory.layers_ahead() is None
+    for ahead in (1, 2):
+        got, n, n_step = run(layers=ahead)
+        assert mx.array_equal(got, want).item() and n == n_layers - ahead and n_step == 0, (ahead, n, n_step)
+    monkeypatch.setenv(memory.LAYERS_ENV, "1")
+    assert run()[1] == n_layers - 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(memory.LAYERS_ENV, bad)
+        with pytest.raises(ValueError, match=memory.LAYERS_ENV):
+            with memory.bounded_prefill():
+                pass
+    assert memory.layers_ahead() is None  # restored after the error
