@@ -63,8 +63,17 @@ step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --mod
   --whole-only --no-bounded --ab-switch moe_gemm --json "$res/prefill_moe_gemm.json"
 step 60 150 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
   --whole-only --headroom 0.5 --layers-ahead 1 2 4 --json "$res/prefill_capped.json"
+step 60 150 "prefill at 16,384 and 65,536 tokens" python3 -m bench.profile_prefill --model "$model" \
+  --tokens 16384 65536 --whole-only --no-bounded --json "$res/prefill_long.json"
 step 60 120 "routed experts by token count, three paths" python3 -m bench.profile_prefill --model "$model" \
   --tokens 512 --whole-only --no-bounded --sweep --json "$res/expert_sweep.json"
+# Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
+# stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
+python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
+for dt in float32 bfloat16; do
+  step 60 90 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
+    --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
+done
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
 step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
