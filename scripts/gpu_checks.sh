@@ -54,6 +54,9 @@ if command -v py-spy >/dev/null; then
   step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
     --steps 16 --no-ops --py-spy "$res/decode_native.txt.gz" --py-spy-seconds 20 --json "$res/decode_native.json"
 fi
+# moe_packed (opt-in): the MoE decode pair passing one buffer where it passed four; the step on vs off, one process.
+step 60 80 "decode step, moe_packed on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
+  --steps 16 --no-ops --ab-switch moe_packed --json "$res/decode_ab_packed.json"
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
   --json "$res/prefill_parts.json"

@@ -470,3 +470,108 @@ def test_prefill_experts_dequantized_gemm_cuda(dt):
         yf, rf = y.astype(mx.float32), ref.astype(mx.float32)
         assert y.shape == ref.shape and not mx.isnan(yf).any().item()
         assert (mx.linalg.norm(yf - rf) / mx.linalg.norm(rf)).item() < tol
+
+
+# ---- the packed pair (moe_packed): gate/up's four outputs and down's four inputs as one float32 buffer ------------
+
+def _pack(h, hs, inds, weights):
+    """The layout moe.packed_width describes, built with MLX ops: a token's h, hs, ids (as floats), weights."""
+    lead = hs.shape[:-1]
+    ids = inds.astype(mx.float32)
+    return mx.concatenate([h.astype(mx.float32).reshape(*lead, -1), hs.astype(mx.float32), ids,
+                           weights.astype(mx.float32)], axis=-1)
+
+
+def _unpack(packed, k, I, IS):
+    lead = packed.shape[:-1]
+    h, hs = packed[..., :k * I].reshape(*lead, k, I), packed[..., k * I:k * I + IS]
+    ids = packed[..., k * I + IS:k * I + IS + k].astype(mx.int32)
+    return h, hs, ids, packed[..., k * I + IS + k:]
+
+
+PACKED_EMULATED = [CASES[1], CASES[5], CASES[7]]  # forced routing, a NaN row (its ids and slots), k = 3 of 40
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_packed_pair_emulated_matches_oracle(tmp_path):
+    """moe_gate_up_packed's buffer, unpacked by the layout, against the oracle; moe_down_combine_packed reading a
+    buffer packed by the layout (the case's own h, hs, ids, weights) against the oracle."""
+    emu, checks = Emulator(tmp_path), []
+    for c in PACKED_EMULATED:
+        M, k, E, H, I, IS, gs, bits, dt = c[:9]
+        a = _case(c)
+        p = moe.plan_gate_up(M, k, H, I, IS, bits)
+        inst = moe.gate_up_instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, plan=p, normalize=a["normalize"],
+                                    norm_dtype=None if a["norm"] is None else dt, eps=1e-6)
+        threads = 32 * p["WARPS"]
+        emu.add(moe.GATE_UP_PACKED_SPEC, moe._packed(inst, False), _gate_up_args(a), (p["blocks"] * threads, 1, 1),
+                (threads, 1, 1), [(M, moe.packed_width(k, I, IS))])
+        p = moe.plan_down(M, k, H, I, IS, bits)
+        inst = moe._packed(moe.down_instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, plan=p), True)
+        threads = 32 * p["WARPS"]
+        packed = _pack(a["h"], a["hs"], a["inds"], a["scores"])
+        emu.add(moe.DOWN_PACKED_SPEC, inst, [packed, *_down_args(a)[4:]], (p["blocks"] * threads, 1, 1),
+                (threads, 1, 1), [(M, H)])
+        checks.append((c, a))
+    outs = emu.run()
+    for i, (c, a) in enumerate(checks):
+        (packed,), (y,) = outs[2 * i], outs[2 * i + 1]
+        _check_gate_up(c, a, _unpack(packed, c[1], c[4], c[5]))
+        _check_down(c, a, y)
+
+
+def test_packed_pair_is_opt_in_and_needs_both_kernels(monkeypatch):
+    c = CASES[2]
+    a = _case(c)
+    calls = []
+    monkeypatch.setitem(ops._kernels, "moe_packed", lambda *args, **kw: calls.append(kw) or None)
+    for name in ("moe_gate_up", "moe_down_combine"):
+        monkeypatch.setitem(ops._kernels, name, lambda *args, **kw: None)  # decline: the unfused ops run
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    want = _moe_decode(a, c)
+    assert not calls  # opt-in
+    with ops.switched("moe_packed", True):
+        assert mx.array_equal(_moe_decode(a, c), want).item() and len(calls) == 1
+        assert calls[0] == {"top_k": 2, "normalize": True, "group_size": 64, "bits": 4}
+        with ops.disabled("moe_down_combine"):
+            _moe_decode(a, c)
+        assert len(calls) == 1
+
+
+def test_packed_pair_declines_before_launching():
+    """decode_packed checks both kernels apply before it launches either: 9 tokens is past MAX_M."""
+    c = CASES[0]
+    a = _case(c)
+    x = mx.zeros((9, c[3]))
+    assert moe.decode_packed(x, None, mx.zeros((9, c[2] + 1)), a["gate"], a["up"], a["down"], a["shared_gate"],
+                             a["shared_up"], a["shared_down"], top_k=2, normalize=True, group_size=32, bits=4,
+                             backend="cuda") is None
+    assert moe.down_combine_packed(mx.zeros((1, 7)), a["logits"], a["down"], a["shared_down"], a["residual"], top_k=2,
+                                   group_size=32, bits=4, backend="cuda") is None  # the buffer's width is wrong
+
+
+def _gpu_packed(backend, c):
+    """The packed pair against the four-array pair on the GPU: the same sums, so bit-identical."""
+    M, k, E, H, I, IS, gs, bits, dt = c[:9]
+    a = _case(c)
+    q = dict(group_size=gs, bits=bits, backend=backend, init_value=NAN)
+    args = (a["x"], a["norm"], a["logits"], a["gate"], a["up"], a["shared_gate"], a["shared_up"])
+    packed = moe.gate_up(*args, top_k=k, normalize=a["normalize"], packed=True, **q)
+    parts = moe.gate_up(*args, top_k=k, normalize=a["normalize"], **q)
+    for got, want in zip(_unpack(packed, k, I, IS), parts):
+        assert mx.array_equal(got, want, equal_nan=True).item()
+    y = moe.down_combine_packed(packed, a["logits"], a["down"], a["shared_down"], a["residual"], top_k=k, **q)
+    want = moe.down_combine(*parts, a["logits"], a["down"], a["shared_down"], a["residual"], **q)
+    assert mx.array_equal(y, want, equal_nan=True).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_moe_packed_cuda(case):
+    _gpu_packed("cuda", case)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_moe_packed_metal(case):
+    _gpu_packed("metal", case)

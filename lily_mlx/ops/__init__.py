@@ -345,6 +345,11 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     E = gate[0].shape[0]
     q = {"group_size": group_size, "bits": bits}
     norm = None if norm_weight is None else (norm_weight, eps)
+    if enabled("moe_gate_up") and enabled("moe_down_combine"):
+        y = _try("moe_packed", x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
+                 normalize=normalize, **q)
+        if y is not None:
+            return y
     out = _try("moe_gate_up", x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize, **q)
     if out is None:
         xn = x if norm is None else reference.rms_norm(x, norm_weight, eps)

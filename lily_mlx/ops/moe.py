@@ -11,7 +11,7 @@ the unfused ops) and registers both switches (their cuda tests passed on the H20
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -227,18 +227,29 @@ def _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, no
     return launch
 
 
+def packed_width(K: int, I: int, IS: int) -> int:
+    """A token's row of moe_gate_up_packed's output: h (K * I), hs (IS), the ids as floats (K), weights (K)."""
+    return K * I + IS + 2 * K
+
+
 def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, normalize: bool, group_size: int,
-            bits: int, backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None):
+            bits: int, backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None,
+            packed: bool = False):
     """x [..., H] (RMS-normalised by norm = (weight, eps) first unless None), router logits [..., >= E] ->
-    (h [..., k, I], hs [..., Is], inds [..., k] int32, weights [..., k] float32); None if not applicable."""
+    (h [..., k, I], hs [..., Is], inds [..., k] int32, weights [..., k] float32), or with `packed` the four in
+    one float32 [..., packed_width(k, I, Is)]; None if not applicable."""
     launch = _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan)
     if launch is None:
         return None
     template, grid, group, M, K, I, IS = launch
     nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
     lead = x.shape[:-1]
-    return tuple(kernels.call("moe_gate_up", backend, [x, nw, logits, *gate, *up, *shared_gate, *shared_up], template,
-                              grid, group, [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K)],
+    inputs = [x, nw, logits, *gate, *up, *shared_gate, *shared_up]
+    if packed:
+        return kernels.call("moe_gate_up_packed", backend, inputs, template, grid, group,
+                            [(*lead, packed_width(K, I, IS))], [mx.float32], init_value)[0]
+    return tuple(kernels.call("moe_gate_up", backend, inputs, template, grid, group,
+                              [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K)],
                               [mx.float32, mx.float32, mx.int32, mx.float32], init_value))
 
 
@@ -272,6 +283,53 @@ def down_combine(h, hs, inds, weights, logits, down, shared_down, residual, *, g
     (y,) = kernels.call("moe_down_combine", backend, inputs, template, grid, group, [residual.shape], [residual.dtype],
                         init_value)
     return y
+
+
+class _Like(NamedTuple):
+    """The shape and dtype of an array that a packed buffer holds: what the applicability checks read."""
+
+    shape: tuple
+    dtype: mx.Dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def down_combine_packed(packed, logits, down, shared_down, residual, *, top_k: int, group_size: int, bits: int,
+                        backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None):
+    """down_combine with h, hs, inds and weights read from gate_up(..., packed=True)'s one buffer; None if not
+    applicable."""
+    lead, K = residual.shape[:-1], top_k
+    I, IS = down[0].shape[-1] * 32 // bits, shared_down[0].shape[-1] * 32 // bits
+    if packed.dtype != mx.float32 or packed.shape != (*lead, packed_width(K, I, IS)):
+        return None
+    parts = (_Like((*lead, K, I), mx.float32), _Like((*lead, IS), mx.float32), _Like((*lead, K), mx.int32),
+             _Like((*lead, K), mx.float32))
+    launch = _launch_down(*parts, logits, down, shared_down, residual, group_size, bits, plan)
+    if launch is None:
+        return None
+    template, grid, group = launch
+    return kernels.call("moe_down_combine_packed", backend, [packed, logits, *down, *shared_down, residual], template,
+                        grid, group, [residual.shape], [residual.dtype], init_value)[0]
+
+
+def decode_packed(x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, *, top_k: int, normalize: bool,
+                  group_size: int, bits: int, backend: str) -> Optional[mx.array]:
+    """ops.moe_decode through the packed pair (one output and one input where there were four), or None when
+    either kernel does not apply (checked before anything is launched)."""
+    q = {"group_size": group_size, "bits": bits}
+    if _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits,
+                       None) is None:
+        return None
+    lead, K, I, IS = x.shape[:-1], top_k, gate[0].shape[1], shared_gate[0].shape[0]
+    parts = (_Like((*lead, K, I), mx.float32), _Like((*lead, IS), mx.float32), _Like((*lead, K), mx.int32),
+             _Like((*lead, K), mx.float32))
+    if _launch_down(*parts, logits, down, shared_down, x, group_size, bits, None) is None:
+        return None
+    packed = gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize,
+                     backend=backend, packed=True, **q)
+    return down_combine_packed(packed, logits, down, shared_down, x, top_k=top_k, backend=backend, **q)
 
 
 def gate_up_unfused(x, inds, gate, up, shared_gate, shared_up, *, group_size: int, bits: int):
@@ -338,6 +396,37 @@ DOWN_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
+def _packed(inst: kernels.Instance, down: bool) -> kernels.Instance:
+    """The packed variant's instance: gate/up's four outputs, or down's first four inputs, as one float32 buffer."""
+    if not down:
+        return kernels.Instance(inst.template, inst.inputs, (mx.float32,))
+    (_, (M, K, I)), (_, (_, IS)) = inst.inputs[0], inst.inputs[1]
+    return kernels.Instance(inst.template, ((mx.float32, (M, packed_width(K, I, IS))),) + inst.inputs[4:],
+                            inst.output_dtypes)
+
+
+GATE_UP_PACKED_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_gate_up_packed", body="moe_gate_up.inc", input_names=GATE_UP_SPEC.input_names, output_names=("packed",),
+    template_params=GATE_UP_PARAMS, description="moe_gate_up writing h, hs, ids and weights as one buffer",
+    instances=lambda: kernels.unique_instances([_packed(i, False) for i in _gate_up_instances()], key=kernels.source_key),
+    defines=("LILY_MOE_PACKED",),
+))
+DOWN_PACKED_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_down_combine_packed", body="moe_down_combine.inc", input_names=("packed",) + DOWN_SPEC.input_names[4:],
+    output_names=("y",), template_params=DOWN_PARAMS, description="moe_down_combine reading moe_gate_up_packed's buffer",
+    instances=lambda: kernels.unique_instances([_packed(i, True) for i in _down_instances()
+                                                if i.inputs[0][0] == mx.float32 and i.inputs[2][0] == mx.int32],
+                                               key=kernels.source_key),
+    defines=("LILY_MOE_PACKED",),
+))
+
+
+def _dispatch_packed(*args, **kwargs):
+    from . import backend
+
+    return decode_packed(*args, **kwargs, backend=backend())
+
+
 def _dispatch_gate_up(*args, **kwargs):
     from . import backend
 
@@ -352,3 +441,5 @@ def _dispatch_down(*args, **kwargs):
 
 register_kernel("moe_gate_up", GATE_UP_SPEC.description, _dispatch_gate_up)
 register_kernel("moe_down_combine", DOWN_SPEC.description, _dispatch_down)
+register_kernel("moe_packed", "the MoE decode pair passing its routing and activations as one buffer (not yet "
+                "measured on a GPU)", _dispatch_packed, default_on=False)
