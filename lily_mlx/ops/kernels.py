@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import re
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -89,6 +90,22 @@ class KernelSpec:
 
 
 SPECS: dict[str, KernelSpec] = {}
+
+
+class Shaped(NamedTuple):
+    """An array known only by its shape and dtype (a fused kernel's operand that is never built, such as the merged
+    attention qmv_attn stages on chip): what the kernels' applicability checks read."""
+
+    shape: tuple
+    dtype: mx.Dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
 
 
 def source_key(inst: Instance):

@@ -11,7 +11,7 @@ the unfused ops) and registers both switches (their cuda tests passed on the H20
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -285,15 +285,10 @@ def down_combine(h, hs, inds, weights, logits, down, shared_down, residual, *, g
     return y
 
 
-class _Like(NamedTuple):
-    """The shape and dtype of an array that a packed buffer holds: what the applicability checks read."""
-
-    shape: tuple
-    dtype: mx.Dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+def _packed_parts(lead: tuple, K: int, I: int, IS: int) -> tuple:
+    """What a packed buffer holds, as down_combine's checks see its four inputs: h, hs, inds, weights."""
+    return (kernels.Shaped((*lead, K, I), mx.float32), kernels.Shaped((*lead, IS), mx.float32),
+            kernels.Shaped((*lead, K), mx.int32), kernels.Shaped((*lead, K), mx.float32))
 
 
 def down_combine_packed(packed, logits, down, shared_down, residual, *, top_k: int, group_size: int, bits: int,
@@ -304,9 +299,7 @@ def down_combine_packed(packed, logits, down, shared_down, residual, *, top_k: i
     I, IS = down[0].shape[-1] * 32 // bits, shared_down[0].shape[-1] * 32 // bits
     if packed.dtype != mx.float32 or packed.shape != (*lead, packed_width(K, I, IS)):
         return None
-    parts = (_Like((*lead, K, I), mx.float32), _Like((*lead, IS), mx.float32), _Like((*lead, K), mx.int32),
-             _Like((*lead, K), mx.float32))
-    launch = _launch_down(*parts, logits, down, shared_down, residual, group_size, bits, plan)
+    launch = _launch_down(*_packed_parts(lead, K, I, IS), logits, down, shared_down, residual, group_size, bits, plan)
     if launch is None:
         return None
     template, grid, group = launch
@@ -322,9 +315,7 @@ def decode_packed(x, norm, logits, gate, up, down, shared_gate, shared_up, share
     if _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits,
                        None) is None:
         return None
-    lead, K, I, IS = x.shape[:-1], top_k, gate[0].shape[1], shared_gate[0].shape[0]
-    parts = (_Like((*lead, K, I), mx.float32), _Like((*lead, IS), mx.float32), _Like((*lead, K), mx.int32),
-             _Like((*lead, K), mx.float32))
+    parts = _packed_parts(x.shape[:-1], top_k, gate[0].shape[1], shared_gate[0].shape[0])
     if _launch_down(*parts, logits, down, shared_down, x, group_size, bits, None) is None:
         return None
     packed = gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize,

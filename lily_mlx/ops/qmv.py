@@ -8,7 +8,6 @@ registers switch "qmv".
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import mlx.core as mx
@@ -165,13 +164,6 @@ ATTN_SPEC_PARAMS = SPEC_PARAMS + ("HQ", "HKV", "D")
 ATTN_MIN_BLOCKS = 64
 
 
-class _Staged:
-    """The x that qmv_attn merges on chip, as unsupported() checks it: a shape and a dtype, no array."""
-
-    def __init__(self, shape: tuple[int, ...], dtype):
-        self.shape, self.dtype, self.ndim, self.size = shape, dtype, len(shape), math.prod(shape)
-
-
 def attn_instance(dtype, scale_dtype, M: int, Hq: int, Hkv: int, D: int, N: int, bits: int, group_size: int,
                   nsplit: int = 2) -> kernels.Instance:
     """qmv_attn: o_proj (+ residual) of a split decode attention's partials (kernels/qmv.inc, LILY_QMV_ATTN)."""
@@ -199,7 +191,7 @@ def qmv_attn(part_acc, part_ml, proj, w, scales, biases, residual, *, n_kv_heads
     launch = _LAUNCH.get(key, False)
     if launch is False:
         launch = None
-        if unsupported(_Staged((B, 1, K), proj.dtype), w, scales, biases, group_size, bits, None, residual) is None:
+        if unsupported(kernels.Shaped((B, 1, K), proj.dtype), w, scales, biases, group_size, bits, None, residual) is None:
             M, N = kernels.row_bucket(B), w.shape[0]
             p = plan(M, K, N, bits, ATTN_MIN_BLOCKS)
             inst = attn_instance(proj.dtype, scales.dtype, M, Hq, n_kv_heads, D, N, bits, group_size)
