@@ -1,4 +1,4 @@
-// CUDA face of the tensor-core tile helpers (moe_gemm), the same names as mma_metal.h.
+// CUDA face of the tensor-core tile helpers (moe_gemm, deltanet_chunk), the same names as mma_metal.h.
 // kernels.header() appends this file only to the kernels that call lily_mma: MLX hashes each launch's source.
 #ifndef LILY_MMA_CUDA_H
 #define LILY_MMA_CUDA_H
@@ -50,6 +50,37 @@ LILY_INLINE void lily_mma(lily_mma_c& c, const lily_mma_a<__half>& a, const lily
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(c.r[0]), "+f"(c.r[1]), "+f"(c.r[2]), "+f"(c.r[3])
                : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+
+// Float32 tiles (deltanet_chunk): m16n8k8 on TF32 with each operand split into a high and a low TF32 part and
+// three MMAs per product (lo*hi + hi*lo + hi*hi; lo*lo is below float32's rounding), so about float32's accuracy.
+// The body fills fragments itself, element i of a lane at the coordinates below (A [m][k], B [k][n]), from
+// whichever memory and layout the operand lives in.
+#define LILY_MMA_KF 8
+#define LILY_MMA_AF 4  // A elements per lane
+#define LILY_MMA_BF 2  // B elements per lane
+struct lily_mma_af { uint32_t hi[4], lo[4]; };
+struct lily_mma_bf { uint32_t hi[2], lo[2]; };
+LILY_INLINE int lily_mma_af_row(int lane, int i) { return (lane >> 2) + 8 * (i & 1); }
+LILY_INLINE int lily_mma_af_col(int lane, int i) { return (lane & 3) + 4 * (i >> 1); }
+LILY_INLINE int lily_mma_bf_k(int lane, int i) { return (lane & 3) + 4 * i; }
+LILY_INLINE int lily_mma_bf_n(int lane, int) { return lane >> 2; }
+LILY_INLINE void lily_tf32_split(float v, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(v));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(v - __uint_as_float(hi)));
+}
+LILY_INLINE void lily_mma_set_af(lily_mma_af& a, int i, float v) { lily_tf32_split(v, a.hi[i], a.lo[i]); }
+LILY_INLINE void lily_mma_set_bf(lily_mma_bf& b, int i, float v) { lily_tf32_split(v, b.hi[i], b.lo[i]); }
+LILY_INLINE void lily_mma_set(lily_mma_c& c, int i, float v) { c.r[i] = v; }
+LILY_INLINE void lily_mma_tf32(lily_mma_c& c, const uint32_t* a, const uint32_t* b) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c.r[0]), "+f"(c.r[1]), "+f"(c.r[2]), "+f"(c.r[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+LILY_INLINE void lily_mma_f32(lily_mma_c& c, const lily_mma_af& a, const lily_mma_bf& b) {
+  lily_mma_tf32(c, a.lo, b.hi);
+  lily_mma_tf32(c, a.hi, b.lo);
+  lily_mma_tf32(c, a.hi, b.hi);
 }
 
 #endif

@@ -1,4 +1,4 @@
-// Metal face of the tensor-core tile helpers (moe_gemm), the same names as mma_cuda.h.
+// Metal face of the tensor-core tile helpers (moe_gemm, deltanet_chunk), the same names as mma_cuda.h.
 // kernels.header() appends this file only to the kernels that call lily_mma: MLX hashes each launch's source.
 #ifndef LILY_MMA_METAL_H
 #define LILY_MMA_METAL_H
@@ -42,6 +42,24 @@ LILY_INLINE void lily_mma(LILY_THREAD float2& c, float2 a, float2 b) {
   C.thread_elements()[1] = c[1];
   simdgroup_multiply_accumulate(C, A, B, C);
   c = float2(C.thread_elements()[0], C.thread_elements()[1]);
+}
+
+// Float32 tiles (deltanet_chunk): simdgroup float matrices, 8 x 8 x 8. The body fills fragments itself, element i
+// of a lane at the coordinates below (A [m][k], B [k][n]), from whichever memory and layout the operand lives in.
+#define LILY_MMA_KF 8
+#define LILY_MMA_AF 2  // A elements per lane
+#define LILY_MMA_BF 2  // B elements per lane
+struct lily_mma_af { float r[2]; };
+struct lily_mma_bf { float r[2]; };
+LILY_INLINE int lily_mma_af_row(int lane, int) { return lily_mma_fm(lane); }
+LILY_INLINE int lily_mma_af_col(int lane, int i) { return lily_mma_fn(lane) + i; }
+LILY_INLINE int lily_mma_bf_k(int lane, int) { return lily_mma_fm(lane); }
+LILY_INLINE int lily_mma_bf_n(int lane, int i) { return lily_mma_fn(lane) + i; }
+LILY_INLINE void lily_mma_set_af(LILY_THREAD lily_mma_af& a, int i, float v) { a.r[i] = v; }
+LILY_INLINE void lily_mma_set_bf(LILY_THREAD lily_mma_bf& b, int i, float v) { b.r[i] = v; }
+LILY_INLINE void lily_mma_set(LILY_THREAD float2& c, int i, float v) { c[i] = v; }
+LILY_INLINE void lily_mma_f32(LILY_THREAD float2& c, lily_mma_af a, lily_mma_bf b) {
+  lily_mma(c, float2(a.r[0], a.r[1]), float2(b.r[0], b.r[1]));
 }
 
 #endif

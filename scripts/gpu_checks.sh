@@ -49,6 +49,12 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# deltanet_intra (opt-in until this run): the DeltaNet intra-chunk part in one launch, whole prefills on vs off.
+step 60 150 "prefill, deltanet_intra on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
+  --whole-only --no-bounded --ab-switch deltanet_intra --json "$res/prefill_intra.json"
+# Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
+step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
+  --json "$res/prefill_parts.json"
 # Where the decode step's CPU time goes inside MLX: py-spy (carried in as a wheel) on the warm decode loop only.
 if command -v py-spy >/dev/null; then
   step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
@@ -57,9 +63,6 @@ fi
 # moe_packed (opt-in): the MoE decode pair passing one buffer where it passed four; the step on vs off, one process.
 step 60 80 "decode step, moe_packed on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
   --steps 16 --no-ops --ab-switch moe_packed --json "$res/decode_ab_packed.json"
-# Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
-step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
-  --json "$res/prefill_parts.json"
 # moe_gemm (the experts' GEMM dequantized in the tile): whole prefills with it on vs off, the routed experts of one
 # layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \

@@ -78,15 +78,16 @@ def _check_scan(case, got, parts, tol=TOL):
 
 # ---- the Metal source on the CPU (shim emulator) -------------------------------------------------
 
-# Dk != Dv, neither a multiple of 32 (Dk < 32 and Dk > 32), Dv not a multiple of the block's rows
-# (a partial last block), C 16 and 64, N 1 and 3 (a padded tail), B 1 and 2, a given and a zero state,
-# a launch with 2 warps over 8 rows (several rows per warp in the update, 8 positions per thread),
-# and one head of the model's dims over 32 chunks (the rounding of a 2048-token prefill).
+# Dk != Dv, neither a multiple of 32 (Dk < 32 and Dk > 32) and Dk = 20 not even of the MMA's 8, Dv not a
+# multiple of the block's rows (a partial last block), C 16 and 64, N 1 and 3 (a padded tail), B 1 and 2,
+# a given and a zero state, a launch with 2 warps over 16 rows (several tiles per warp), and one head of
+# the model's dims over 8 chunks.
 EMULATED = [
     Case(1, 1, 2, 24, 40, 16, 40),
     Case(2, 1, 2, 40, 24, 64, 50, zero_state=True),
-    Case(1, 1, 3, 24, 40, 64, 150, launch={"ROWS": 8, "WARPS": 2}),
-    Case(1, 1, 1, 128, 128, 64, 2048),
+    Case(1, 1, 1, 20, 36, 16, 33),
+    Case(1, 1, 3, 24, 40, 64, 150, launch={"R": 16, "WARPS": 2}),
+    Case(1, 1, 1, 128, 128, 64, 512),
 ]
 
 
@@ -95,7 +96,7 @@ def test_deltanet_chunk_metal_emulated_matches_reference(tmp_path):
     emu, expected = Emulator(tmp_path), []
     for c, case in enumerate(EMULATED):
         parts = case.parts(seed=c)
-        p = case.launch or dc.plan(case.Dv)
+        p = case.launch or dc.plan(case.Dk, case.Dv, case.C)
         grid, group = dc.grid(case.B, case.Hv, case.Dv, p)
         inst = dc.instance(case.B, case.Hv, case.N, case.Dk, case.Dv, case.C, p)
         emu.add(dc.SPEC, inst, list(parts), grid, group, [parts[0].shape, parts[-1].shape])
@@ -322,13 +323,15 @@ def test_unsupported_arguments_are_declined():
     assert dc.chunk_scan(*big, backend="cuda") is None
     long = Case(1, 1, 1, 128, 32, 512, 512).parts()
     assert "shared memory" in dc.unsupported(*long)
+    odd = Case(1, 1, 1, 32, 32, 24, 48).parts()
+    assert "multiples of 16" in dc.unsupported(*odd)
+    assert "multiples of 16" in dc.unsupported(*parts, launch={"R": 24, "WARPS": 8})
 
 
 @pytest.mark.parametrize("Dk,Dv,C", [(16, 24, 64), (24, 40, 16), (32, 48, 64), (128, 128, 64), (256, 256, 64),
                                      (256, 32, 128), (32, 256, 16), (40, 8, 64), (16, 3, 16)])
 def test_plan_fits(Dk, Dv, C):
-    p = dc.plan(Dv)
-    threads = 32 * p["WARPS"]
-    assert threads <= 1024 and threads % p["ROWS"] == 0 and p["ROWS"] <= 16  # Metal: <= 1024 threads
-    assert p["ROWS"] >= min(Dv, 16)  # a narrow head fits one block
-    assert dc.shared_bytes(Dk, C, p["ROWS"]) <= dc.SHARED_BYTES
+    p = dc.plan(Dk, Dv, C)
+    assert 32 * p["WARPS"] <= 1024 and p["R"] in (16, 32)  # Metal: <= 1024 threads; whole 16-row tiles
+    assert p["R"] == 32 or Dv <= 16 or dc.shared_bytes(Dk, C, 32) > dc.SHARED_BYTES  # 16 only where it must
+    assert dc.shared_bytes(Dk, C, p["R"]) <= dc.SHARED_BYTES

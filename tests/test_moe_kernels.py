@@ -551,7 +551,7 @@ def test_packed_pair_declines_before_launching():
 
 
 def _gpu_packed(backend, c):
-    """The packed pair against the four-array pair on the GPU: the same sums, so bit-identical."""
+    """The packed pair against the four-array pair on the GPU: the same sums, so bit-identical in 16-bit outputs."""
     M, k, E, H, I, IS, gs, bits, dt = c[:9]
     a = _case(c)
     q = dict(group_size=gs, bits=bits, backend=backend, init_value=NAN)
@@ -562,7 +562,15 @@ def _gpu_packed(backend, c):
         assert mx.array_equal(got, want, equal_nan=True).item()
     y = moe.down_combine_packed(packed, a["logits"], a["down"], a["shared_down"], a["residual"], top_k=k, **q)
     want = moe.down_combine(*parts, a["logits"], a["down"], a["shared_down"], a["residual"], **q)
-    assert mx.array_equal(y, want, equal_nan=True).item()
+    if dt != mx.float32:
+        assert mx.array_equal(y, want, equal_nan=True).item()
+        return
+    # float32 output keeps the last bits of each variant's FMA contractions (the H200: not bit-identical there)
+    assert mx.array_equal(mx.isnan(y), mx.isnan(want)).item()
+    live = ~mx.isnan(want)
+    diff = mx.where(live, y - want, 0.0)
+    err = (mx.linalg.norm(diff.flatten()) / mx.linalg.norm(mx.where(live, want, 0.0).flatten())).item()
+    assert err < 1e-6, f"packed vs four-array down_combine: rel err {err:.2e}"
 
 
 @pytest.mark.cuda

@@ -227,8 +227,20 @@ def gated_delta(q, k, v, log_g, beta, state: Optional[mx.array] = None, mask=Non
     if out is not None:
         return out
     if q.shape[1] >= CHUNKED_MIN_TOKENS:
-        return reference.gated_delta_chunked(q, k, v, log_g, beta, state, mask, scan=chunk_scan)
+        return reference.gated_delta_chunked(q, k, v, log_g, beta, state, mask, scan=chunk_scan, intra=chunk_intra)
     return reference.gated_delta_sequential(q, k, v, log_g, beta, state, mask)
+
+
+def chunk_intra(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64):
+    """The intra-chunk part of the chunked gated delta rule (reference.chunk_intra's arguments and result):
+    one launch for all chunks where the kernel applies."""
+    log_g, beta = reference.masked_gates(log_g, beta, mask)
+    out = _try("deltanet_intra", q, k, v, log_g, beta, chunk_size=chunk_size)
+    if out is None:
+        return reference.chunk_intra(q, k, v, log_g, beta, state, None, chunk_size)
+    if state is None:
+        state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
+    return (*out, state)
 
 
 def chunk_scan(u, w, q_dec, qk, k_dec, g_last, state):
@@ -368,6 +380,7 @@ from . import qmv as _qmv  # noqa: E402,F401
 from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401
 from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
+from . import deltanet_intra as _deltanet_intra  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401

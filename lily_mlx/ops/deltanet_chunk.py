@@ -1,12 +1,12 @@
-"""deltanet_chunk: the inter-chunk scan of chunked Gated DeltaNet prefill in ONE launch.
+"""deltanet_chunk: the inter-chunk scan of chunked Gated DeltaNet prefill in ONE launch, on the tensor cores.
 
 reference.gated_delta_chunked computes every chunk's u, w, q_dec, qk, k_dec, g_last at once
 (reference.chunk_intra), then carries the float32 state through the chunks; chunk by chunk that is
 about 8 small primitives per 64 tokens, each costing a launch. The kernel (kernels/deltanet_chunk.inc,
-CUDA and Metal) carries the state through all chunks in one launch. This module checks that it
-applies (else the dispatcher runs reference.chunk_scan_reference), picks the launch shape and
-registers switch "deltanet_chunk" (on: its cuda tests pass on the H200, where it takes the 35B mixer from 7.5 to
-4.9 ms per layer at 2048 tokens).
+CUDA and Metal) carries the state through all chunks in one launch, its three products per chunk in
+float32 tensor-core tiles (CUDA: TF32 split high + low, three MMAs a product; Metal: simdgroup float).
+This module checks that it applies (else the dispatcher runs reference.chunk_scan_reference), picks the
+launch shape and registers switch "deltanet_chunk". The first, SIMT version is kernels/scratch/deltanet_chunk_v1.inc.
 """
 
 from __future__ import annotations
@@ -17,19 +17,21 @@ import mlx.core as mx
 
 from . import kernels, metal_source, register_kernel
 
-MAX_HEAD_DIM = 256  # Dk: a lane holds Dk/32 state columns per row in the update
+MAX_HEAD_DIM = 256  # Dk: the update's S tiles, (Dk / 32) * (R / 16) of them, stay in the warps' registers
 SHARED_BYTES = 32768  # Metal's threadgroup memory
-SPEC_PARAMS = ("DK", "DV", "C", "ROWS", "WARPS")
-
-
-def plan(Dv: int) -> dict:
-    """ROWS state rows per block (16, or the power of two covering a narrower Dv), 8 warps."""
-    return {"ROWS": min(16, 1 << (Dv - 1).bit_length()), "WARPS": 8}
+SPEC_PARAMS = ("DK", "DV", "C", "R", "WARPS")
+TILE = 16  # C and R come in whole 16-row warp tiles
 
 
 def shared_bytes(Dk: int, C: int, rows: int) -> int:
-    """The block's rows of S (padded stride Dk + 1) and of the chunk's v, float32."""
-    return 4 * rows * (Dk + 1 + C)
+    """The block's rows of S and the chunk's v^T, float32, row strides padded to 4 mod 32 (the kernel's SK, VC)."""
+    return 4 * rows * (-(-Dk // 32) * 32 + 4 + C + 4)
+
+
+def plan(Dk: int, Dv: int, C: int = 64) -> dict:
+    """R state rows per block: 32 (16 where Dv or the shared memory calls for it); 8 warps."""
+    rows = 32 if Dv > TILE and shared_bytes(Dk, C, 32) <= SHARED_BYTES else TILE
+    return {"R": rows, "WARPS": 8}
 
 
 def unsupported(u, w, q_dec, qk, k_dec, g_last, state, launch: Optional[dict] = None) -> Optional[str]:
@@ -47,7 +49,10 @@ def unsupported(u, w, q_dec, qk, k_dec, g_last, state, launch: Optional[dict] = 
         return "no chunks"
     if not (1 <= Dk <= MAX_HEAD_DIM and Dv >= 1):
         return f"head dims Dk={Dk} (at most {MAX_HEAD_DIM}), Dv={Dv}"
-    if shared_bytes(Dk, C, (launch or plan(Dv))["ROWS"]) > SHARED_BYTES:
+    rows = (launch or plan(Dk, Dv, C))["R"]
+    if C % TILE or rows % TILE:
+        return f"chunk size {C} and rows per block {rows}: multiples of {TILE} expected"
+    if shared_bytes(Dk, C, rows) > SHARED_BYTES:
         return f"chunk size {C} with Dk={Dk} exceeds {SHARED_BYTES} bytes of shared memory"
     if B * Hv * N * C * max(Dk, Dv, C) >= 2**31 or B * Hv * Dv * Dk >= 2**31:
         return "int32 indexing"
@@ -55,18 +60,18 @@ def unsupported(u, w, q_dec, qk, k_dec, g_last, state, launch: Optional[dict] = 
 
 
 def instance(B: int, Hv: int, N: int, Dk: int, Dv: int, C: int, launch: Optional[dict] = None) -> kernels.Instance:
-    p = launch or plan(Dv)
+    p = launch or plan(Dk, Dv, C)
     f32 = mx.float32
-    template = (("DK", Dk), ("DV", Dv), ("C", C), ("ROWS", p["ROWS"]), ("WARPS", p["WARPS"]))
+    template = (("DK", Dk), ("DV", Dv), ("C", C), ("R", p["R"]), ("WARPS", p["WARPS"]))
     inputs = ((f32, (B, Hv, N, C, Dv)), (f32, (B, Hv, N, C, Dk)), (f32, (B, Hv, N, C, Dk)), (f32, (B, Hv, N, C, C)),
               (f32, (B, Hv, N, C, Dk)), (f32, (B, Hv, N)), (f32, (B, Hv, Dv, Dk)))
     return kernels.Instance(template, inputs, (f32, f32))
 
 
 def grid(B: int, Hv: int, Dv: int, launch: dict) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, threadgroup) in threads: one block per (batch row, value head, ROWS state rows)."""
+    """(grid, threadgroup) in threads: one block per (batch row, value head, R state rows)."""
     threads = 32 * launch["WARPS"]
-    return (B * Hv * -(-Dv // launch["ROWS"]) * threads, 1, 1), (threads, 1, 1)
+    return (B * Hv * -(-Dv // launch["R"]) * threads, 1, 1), (threads, 1, 1)
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup) or None (not applicable)
@@ -81,7 +86,7 @@ def _launch(args, launch):
     if unsupported(*args, launch) is None:
         B, Hv, N, C, Dv = args[0].shape
         Dk = args[1].shape[-1]
-        p = launch or plan(Dv)
+        p = launch or plan(Dk, Dv, C)
         out = (list(instance(B, Hv, N, Dk, Dv, C, p).template), *grid(B, Hv, Dv, p))
     _LAUNCH[key] = out
     return out
@@ -110,7 +115,7 @@ def _instances() -> list[kernels.Instance]:
     combos = [(1, Hv, 32, Dk, Dv, 64, None) for Hv, Dk, Dv in MODEL_HEADS]
     for Hv, Dk, Dv in TEST_HEADS:
         combos += [(1, Hv, 3, Dk, Dv, 64, None), (2, Hv, 1, Dk, Dv, 16, None)]
-    combos.append((1, 3, 2, 24, 40, 64, {"ROWS": 8, "WARPS": 2}))  # several rows per warp in the update
+    combos.append((1, 3, 2, 24, 40, 64, {"R": 16, "WARPS": 2}))  # several tiles per warp
     insts = (instance(*c) for c in combos)
     return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("deltanet_chunk", i.template,
                                                                                       i.inputs, i.output_dtypes))

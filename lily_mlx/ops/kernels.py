@@ -190,7 +190,7 @@ def header(backend: str, body_text: str = "") -> str:
     """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma), and the
     common helpers it needs."""
     _check_backend(backend)
-    mma = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma\b", body_text) else ""
+    mma = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma", body_text) else ""
     return read_source(f"prelude_{backend}.h") + mma + common_header(body_text)
 
 

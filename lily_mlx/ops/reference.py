@@ -108,14 +108,20 @@ def deltanet_gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array)
     return log_g, mx.sigmoid(b.astype(mx.float32))
 
 
+def masked_gates(log_g, beta, mask):
+    """A masked (padding) token is an exact no-op on the state: decay 1 (log_g 0), write 0 (beta 0)."""
+    if mask is None:
+        return log_g, beta
+    return mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
+
+
 def _delta_prologue(q, k, v, log_g, beta, state, mask):
     """Shared set-up of both forms: float32 inputs, key heads repeated per value head, a zero state."""
     B, _, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if mask is not None:  # a masked (padding) token is an exact no-op on the state: decay 1, write 0
-        log_g, beta = mx.where(mask[..., None], log_g, 0.0), mx.where(mask[..., None], beta, 0.0)
+    log_g, beta = masked_gates(log_g, beta, mask)
     q, k = q.astype(mx.float32), k.astype(mx.float32)
     if Hv > Hk:
         q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
@@ -212,15 +218,16 @@ def chunk_scan_reference(u, w, q_dec, qk, k_dec, g_last, state):
     return mx.stack(ys, axis=2), state
 
 
-def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64, scan=chunk_scan_reference):
+def gated_delta_chunked(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 64, scan=chunk_scan_reference,
+                        intra=chunk_intra):
     """Gated delta rule in the chunked WY / UT-transform form (as in flash-linear-attention).
 
-    Same arguments and result as gated_delta_sequential: chunk_intra, then `scan` over the chunks
-    (chunk_scan_reference's signature; the dispatcher passes one that may run the kernel).
+    Same arguments and result as gated_delta_sequential: `intra` (chunk_intra's signature), then `scan`
+    over the chunks (chunk_scan_reference's); the dispatcher passes ones that may run the kernels.
     """
     B, T = q.shape[:2]
     Hv, Dv = v.shape[2:]
-    y, state = scan(*chunk_intra(q, k, v, log_g, beta, state, mask, chunk_size))
+    y, state = scan(*intra(q, k, v, log_g, beta, state, mask, chunk_size))
     y = y.reshape(B, Hv, -1, Dv).transpose(0, 2, 1, 3)[:, :T]  # [B, T, Hv, Dv]
     return y.astype(v.dtype), state
 
