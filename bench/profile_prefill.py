@@ -118,7 +118,8 @@ def mixer_parts(model, T: int) -> dict:
         "conv1d + SiLU": lambda: ops.causal_conv1d(qkv, g.conv1d.weight, conv0)[0],
         "l2 norms + gates": lambda: (reference.l2_normalize(conv_out[..., :g.key_dim].reshape(1, T, g.Hk, g.Dk)),
                                      *reference.deltanet_gates(a, b, g.A_log, g.dt_bias)),
-        "chunk_intra (every chunk's u, w, qk at once)": lambda: reference.chunk_intra(q, k, v, log_g, beta),
+        "chunk_intra, MLX ops (every chunk's u, w, qk at once)": lambda: reference.chunk_intra(q, k, v, log_g, beta),
+        "chunk_intra (deltanet_intra where on)": lambda: ops.chunk_intra(q, k, v, log_g, beta),
         "chunk scan (deltanet_chunk where on)": lambda: ops.chunk_scan(*intra),
         "gated RMSNorm": lambda: ops.gated_rms_norm(y, z.reshape(1, T, Hv, Dv), g.norm["weight"], 1e-6),
         "whole mixer (ops.deltanet_mix)": lambda: ops.deltanet_mix(

@@ -167,3 +167,29 @@ def test_unsupported_arguments_are_declined():
     assert di.chunk_intra(*wide[:5], chunk_size=64, backend="cuda") is None
     three = Case(1, 2, 3, 24, 40, 16, 20).inputs()
     assert "value heads" in di.unsupported(*three[:5], 64)
+
+
+def _drift_over_4096_tokens():
+    """Both prefill kernels in bf16 over 4096 tokens (64 chunks) against the float64 sequential recurrence: the
+    float32 state must not drift on the tensor cores (CUDA: TF32 high + low)."""
+    from test_reference_ops import _delta_f64, _delta_inputs, rel
+
+    q, k, v, log_g, beta, state = _delta_inputs(1, 4096, 1, 2, 128, 96, seed=11, dtype=BF16)
+    with ops.disabled():
+        for name in ("deltanet_intra", "deltanet_chunk"):
+            ops.set_enabled(name, True)
+        y, S = ops.gated_delta(q, k, v, log_g, beta, state)
+        mx.eval(y, S)
+    y0, S0 = _delta_f64(q, k, v, log_g, beta, state)
+    assert rel(S, S0) < 1e-4
+    assert rel(y.astype(F32), y0) < 1e-2
+
+
+@pytest.mark.cuda
+def test_bf16_drift_over_4096_tokens_cuda():
+    _drift_over_4096_tokens()
+
+
+@pytest.mark.metal
+def test_bf16_drift_over_4096_tokens_metal():
+    _drift_over_4096_tokens()
