@@ -83,4 +83,32 @@ LILY_INLINE void lily_mma_f32(lily_mma_c& c, const lily_mma_af& a, const lily_mm
   lily_mma_tf32(c, a.hi, b.hi);
 }
 
+// Attention tiles (flash_attn): A from 16-bit pairs the body reads itself (element pair i of a lane: row, first of
+// two columns), P's A fragments straight from S's accumulators (two n8 accumulators make one k16 operand),
+// B from a [k][n] tile by ldmatrix.trans, and a row's reduction over the 4 lanes that share it.
+#define LILY_MMA_A16 4  // 16-bit pairs per lane in an A fragment
+#define LILY_MMA_C_PER_A 2  // accumulator fragments per A fragment along k
+LILY_INLINE int lily_mma_a16_row(int lane, int i) { return (lane >> 2) + 8 * (i & 1); }
+LILY_INLINE int lily_mma_a16_col(int lane, int i) { return 2 * (lane & 3) + 8 * (i >> 1); }
+template <typename T> LILY_INLINE void lily_mma_set_a16(lily_mma_a<T>& a, int i, float lo, float hi) { a.r[i] = lily_pack2<T>(lo, hi); }
+template <typename T> LILY_INLINE void lily_mma_a_from_c(lily_mma_a<T>& a, const lily_mma_c* c) {
+  a.r[0] = lily_pack2<T>(c[0].r[0], c[0].r[1]);
+  a.r[1] = lily_pack2<T>(c[0].r[2], c[0].r[3]);
+  a.r[2] = lily_pack2<T>(c[1].r[0], c[1].r[1]);
+  a.r[3] = lily_pack2<T>(c[1].r[2], c[1].r[3]);
+}
+template <typename T> LILY_INLINE void lily_mma_load_b_kn(lily_mma_b<T>& b, const T* s, int ld, int lane) {
+  // matrices: k rows 0-7, then 8-15, each at the tile's n 0-7; .trans hands each lane its (k pair, n) elements
+  const uint32_t addr = lily_smem_addr(s + (lane & 15) * ld);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b.r[0]), "=r"(b.r[1]) : "r"(addr) : "memory");
+}
+LILY_INLINE float lily_mma_row_max(float v) {
+  v = fmaxf(v, lily_shfl_xor(v, 1));
+  return fmaxf(v, lily_shfl_xor(v, 2));
+}
+LILY_INLINE float lily_mma_row_sum(float v) {
+  v += lily_shfl_xor(v, 1);
+  return v + lily_shfl_xor(v, 2);
+}
+
 #endif

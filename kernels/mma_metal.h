@@ -62,4 +62,30 @@ LILY_INLINE void lily_mma_f32(LILY_THREAD float2& c, lily_mma_af a, lily_mma_bf 
   lily_mma(c, float2(a.r[0], a.r[1]), float2(b.r[0], b.r[1]));
 }
 
+// Attention tiles (flash_attn): A from 16-bit pairs the body reads itself (one pair per lane: row, first of two
+// columns), P's A fragment straight from S's accumulator (the same lane layout), B from a [k][n] tile, and a
+// row's reduction over the 4 lanes that share it (lane bits 0 and 3).
+#define LILY_MMA_A16 1
+#define LILY_MMA_C_PER_A 1
+LILY_INLINE int lily_mma_a16_row(int lane, int) { return lily_mma_fm(lane); }
+LILY_INLINE int lily_mma_a16_col(int lane, int) { return lily_mma_fn(lane); }
+template <typename T> LILY_INLINE void lily_mma_set_a16(LILY_THREAD float2& a, int, float lo, float hi) {
+  a = float2(static_cast<float>(static_cast<T>(lo)), static_cast<float>(static_cast<T>(hi)));
+}
+template <typename T> LILY_INLINE void lily_mma_a_from_c(LILY_THREAD float2& a, const LILY_THREAD float2* c) {
+  a = float2(static_cast<float>(static_cast<T>(c[0][0])), static_cast<float>(static_cast<T>(c[0][1])));
+}
+template <typename T> LILY_INLINE void lily_mma_load_b_kn(LILY_THREAD float2& b, const LILY_TG_PTR T* s, int ld, int lane) {
+  const LILY_TG_PTR T* p = s + lily_mma_fm(lane) * ld + lily_mma_fn(lane);  // B[k = fm][n = fn, fn + 1]
+  b = float2(static_cast<float>(p[0]), static_cast<float>(p[1]));
+}
+LILY_INLINE float lily_mma_row_max(float v) {
+  v = metal::max(v, lily_shfl_xor(v, 1));
+  return metal::max(v, lily_shfl_xor(v, 8));
+}
+LILY_INLINE float lily_mma_row_sum(float v) {
+  v += lily_shfl_xor(v, 1);
+  return v + lily_shfl_xor(v, 8);
+}
+
 #endif

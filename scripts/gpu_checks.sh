@@ -52,6 +52,9 @@ wait
 # deltanet_intra (opt-in until this run): the DeltaNet intra-chunk part in one launch, whole prefills on vs off.
 step 60 150 "prefill, deltanet_intra on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
   --whole-only --no-bounded --ab-switch deltanet_intra --json "$res/prefill_intra.json"
+# flash_attn (opt-in until this run): the attention layers' prefill with the online softmax, on vs off.
+step 60 150 "prefill, flash_attn on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 2048 16384 \
+  --whole-only --no-bounded --ab-switch flash_attn --json "$res/prefill_flash.json"
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
   --json "$res/prefill_parts.json"

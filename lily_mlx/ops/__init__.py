@@ -301,6 +301,9 @@ MAX_ATTENTION_SCORES = 1 << 27
 
 def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]; mask None, 'causal' (bottom-right) or an array."""
+    out = _try("flash_attn", q, k, v, scale=scale, mask=mask)
+    if out is not None:
+        return out
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > MAX_ATTENTION_SCORES:
         return reference.attention_query_blocked(q, k, v, scale=scale, mask=mask, max_scores=MAX_ATTENTION_SCORES)
     return reference.attention(q, k, v, scale=scale, mask=mask)
@@ -381,6 +384,7 @@ from . import moe as _moe  # noqa: E402,F401
 from . import deltanet_step as _deltanet_step  # noqa: E402,F401
 from . import deltanet_chunk as _deltanet_chunk  # noqa: E402,F401
 from . import deltanet_intra as _deltanet_intra  # noqa: E402,F401
+from . import flash_attn as _flash_attn  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401
