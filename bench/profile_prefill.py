@@ -157,6 +157,36 @@ def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256, 2048)) -> list:
     return rows
 
 
+def dense_sweep(model, tokens=(64, 256, 512, 2048, 8192)) -> list:
+    """Issue 5's dense projections at M > 16 rows, three ways each: MLX's quantized matmul, dequantize + a dense
+    GEMM (the dispatcher's rule from ops.DENSE_DEQUANT_MIN_ROWS), and moe_gemm with one expert (dequantized in the
+    tile). Two shapes: the DeltaNet in_proj_qkv (2048 -> 8192 at 35B) and its out_proj (4096 -> 2048)."""
+    from lily_mlx import ops
+    from lily_mlx.ops import moe_gemm, reference
+
+    g = next(l for l in model.language_model.model.layers if l.is_linear).linear_attn
+    rows = []
+    for name, layer in (("in_proj_qkv", g.in_proj_qkv), ("out_proj", g.out_proj)):
+        w, s, b = layer["weight"], layer["scales"], layer["biases"]
+        q = dict(group_size=layer.group_size, bits=layer.bits)
+        K = w.shape[1] * 32 // layer.bits
+        for T in tokens:
+            x = (mx.random.normal((T, K)) * 0.5).astype(mx.bfloat16)
+            zeros = mx.zeros((T,), mx.int32)
+            mx.eval(x, zeros)
+            paths = {
+                "quantized_matmul": lambda: reference.quantized_matmul(x, w, s, b, **q),
+                "dequant_gemm": lambda: x @ ops.dequantize(w, s, b, dtype=x.dtype, **q).T,
+                "moe_gemm": lambda: None if ops.backend() == "cpu" else moe_gemm.gather_matmul(x[:, None, :], w[None], zeros, scales=s[None], biases=b[None],
+                                                           backend=ops.backend(), **q),
+            }
+            row = {"proj": name, "rows": T, "N": w.shape[0], "K": K}
+            for path, fn in paths.items():
+                row[path + "_ms"] = None if fn() is None else 1e3 * wall_time(lambda: mx.eval(fn()), reps=5)
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lily_mlx
@@ -175,6 +205,7 @@ def main(argv=None) -> int:
                     help="also time each length with at most N decoder layers dispatched ahead of the GPU")
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
+    ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     cfg = model.config
@@ -220,6 +251,11 @@ def main(argv=None) -> int:
     for r in report["expert_sweep"]:
         print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
               f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms, moe_gemm {r['moe_gemm_ms']:7.3f} ms", flush=True)
+    report["dense_sweep"] = dense_sweep(model) if args.dense_sweep else []
+    for r in report["dense_sweep"]:
+        ms = {k: "n/a" if r[k + "_ms"] is None else f"{r[k + '_ms']:7.3f} ms" for k in ("quantized_matmul", "dequant_gemm", "moe_gemm")}
+        print(f"{r['proj']} {r['K']} -> {r['N']} at {r['rows']:5} rows: quantized matmul {ms['quantized_matmul']}, "
+              f"dequantize + GEMM {ms['dequant_gemm']}, moe_gemm {ms['moe_gemm']}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -74,8 +74,8 @@ step 60 150 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_
   --whole-only --headroom 0.5 --layers-ahead 1 2 4 --json "$res/prefill_capped.json"
 step 60 150 "prefill at 16,384 and 65,536 tokens" python3 -m bench.profile_prefill --model "$model" \
   --tokens 16384 65536 --whole-only --no-bounded --json "$res/prefill_long.json"
-step 60 120 "routed experts by token count, three paths" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 512 --whole-only --no-bounded --sweep --json "$res/expert_sweep.json"
+step 60 120 "routed experts and dense projections by rows, three paths" python3 -m bench.profile_prefill \
+  --model "$model" --tokens 512 --whole-only --no-bounded --sweep --dense-sweep --json "$res/expert_sweep.json"
 # Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
 # stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
 python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
