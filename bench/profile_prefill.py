@@ -24,7 +24,7 @@ from .kernels import wall_time
 def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3,
                  headroom: Optional[int] = None, layers: Optional[int] = None) -> tuple[float, float]:
     """Median seconds of the whole prompt's prefill, and the peak memory (GB) it reached, run as generate runs
-    it (lily_mlx.memory.bounded_prefill: a bound None takes its environment variable, unset: unbounded)."""
+    it (lily_mlx.memory.bounded_prefill: a bound None takes its environment variable, unset: the default)."""
     from lily_mlx.memory import bounded_prefill
 
     prompt = mx.array(np.random.default_rng(tokens).integers(0, vocab, (1, tokens)))
@@ -199,10 +199,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
                     help="also time the whole prefill with each of these switches flipped, in the same process")
     ap.add_argument("--whole-only", action="store_true", help="time the whole prefill only, not each part")
-    ap.add_argument("--headroom", type=float, nargs="+", default=[2.0], metavar="GB",
+    ap.add_argument("--headroom", type=float, nargs="*", default=[2.0], metavar="GB",
                     help="also time each length with the run-ahead bounded at these headrooms (lily_mlx.memory)")
     ap.add_argument("--layers-ahead", type=int, nargs="+", default=[], metavar="N",
-                    help="also time each length with at most N decoder layers dispatched ahead of the GPU")
+                    help="also time each length with at most N decoder layers dispatched ahead of the GPU (0: unbounded)")
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         for n in [] if args.no_bounded else args.layers_ahead:
             t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, layers=n)
             row.setdefault("bounded", []).append({"layers_ahead": n, "prefill_s": t, "tok_s": T / t, "peak_gb": pk})
-            print(f"  run-ahead bounded ({n} layers ahead): {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
+            print(f"  run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
                   f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
         for name in args.ab_switch:
             on = not ops.enabled(name)

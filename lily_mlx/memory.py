@@ -1,17 +1,17 @@
-"""Bounded prefill memory, opt-in: MLX dispatches a long prompt's layers far ahead of the GPU, and every
-dispatched layer holds its temporaries until the GPU runs it, so peak memory grows with how far the CPU runs
-ahead, not with the prompt. Two bounds, either or both:
+"""Bounded prefill memory: MLX dispatches a long prompt's layers far ahead of the GPU, and every dispatched
+layer holds its temporaries until the GPU runs it, so peak memory grows with how far the CPU runs ahead, not
+with the prompt. Two bounds, either or both:
 
-- headroom: MLX's evaluator waits for queued work while active memory is over its memory limit
+- layers (on by default for chunks of MIN_TOKENS tokens or more): the model dispatches each decoder layer and
+  then waits for the one `layers` back, so at most that many layers are queued ahead of the GPU, whose
+  temporaries alone are alive (TextModel.hidden). H200, 35B-A3B, bench/profile_prefill.py, 8192 tokens (run 9,
+  one process): one layer ahead 546 ms at weights + 3.99 GB, unbounded 712 ms at weights + 12.45 GB; two layers
+  547 ms (+5.86), four 551 ms (+8.28). $LILY_MLX_PREFILL_LAYERS (0: no bound).
+- headroom (opt-in): MLX's evaluator waits for queued work while active memory is over its memory limit
   (mlx/transforms.cpp), so a limit a little above the memory in use when the prefill starts caps the run-ahead.
-  H200, 35B-A3B, bench/profile_prefill.py, 8192 tokens with moe_gemm: 0.5 GB of headroom took the peak over the
-  weights from 12.45 to 2.83 GB, and the prefill from 871 to 1248 ms, as the GPU idles while MLX waits.
+  The same run: 0.5 GB of headroom 1024 ms at weights + 2.83 GB, as the GPU idles while MLX waits.
   $LILY_MLX_PREFILL_HEADROOM (bytes, or with a K/M/G suffix).
-- layers: the model dispatches each decoder layer and then waits for the one `layers` back, so at most that many
-  layers are queued ahead of the GPU, whose temporaries alone are alive (TextModel.hidden). Not yet measured on a
-  GPU. $LILY_MLX_PREFILL_LAYERS.
-
-Off unless the variables are set or a bound is passed."""
+"""
 
 from __future__ import annotations
 
@@ -23,8 +23,11 @@ import mlx.core as mx
 
 HEADROOM_ENV = "LILY_MLX_PREFILL_HEADROOM"
 LAYERS_ENV = "LILY_MLX_PREFILL_LAYERS"
+DEFAULT_LAYERS = 1  # layers a long chunk may queue ahead of the GPU where nothing else is asked for
+MIN_TOKENS = 1024  # the default bound's smallest chunk: shorter prefills are dispatch-bound (not measured bounded)
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _layers_ahead: Optional[int] = None  # set inside bounded_prefill; read by TextModel.hidden
+_layers_default = False  # whether _layers_ahead is the default (then only chunks of MIN_TOKENS or more are bounded)
 
 
 def parse_size(text: str) -> int:
@@ -45,36 +48,42 @@ def default_headroom() -> Optional[int]:
 
 
 def default_layers() -> Optional[int]:
+    """$LILY_MLX_PREFILL_LAYERS (0: no bound), None where it is unset."""
     text = os.environ.get(LAYERS_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{LAYERS_ENV}={text!r}: expected a whole number of layers >= 1")
+    if not text.isdigit():
+        raise ValueError(f"{LAYERS_ENV}={text!r}: expected a whole number of layers (0: no bound)")
     return int(text)
 
 
-def layers_ahead() -> Optional[int]:
-    """How many decoder layers a prefill may queue ahead of the GPU (None: no bound)."""
+def layers_ahead(tokens: int) -> Optional[int]:
+    """How many decoder layers a prefill chunk of `tokens` tokens may queue ahead of the GPU (None: no bound)."""
+    if _layers_ahead is None or (_layers_default and tokens < MIN_TOKENS):
+        return None
     return _layers_ahead
 
 
 @contextlib.contextmanager
 def bounded_prefill(headroom: Optional[int] = None, layers: Optional[int] = None):
     """Within the block, MLX's memory limit is min(its limit, active memory now + headroom), and a prefill queues
-    at most `layers` decoder layers ahead of the GPU; both restored after. None: $LILY_MLX_PREFILL_HEADROOM and
-    $LILY_MLX_PREFILL_LAYERS, and what is unset there is not bounded."""
-    global _layers_ahead
+    at most `layers` decoder layers ahead of the GPU (0: no bound); both restored after. None: the environment
+    variables; where $LILY_MLX_PREFILL_LAYERS is unset too, DEFAULT_LAYERS for chunks of MIN_TOKENS or more."""
+    global _layers_ahead, _layers_default
     headroom = default_headroom() if headroom is None else headroom
     layers = default_layers() if layers is None else layers
-    if layers is not None and layers < 1:
-        raise ValueError(f"layers={layers}: a prefill must be allowed at least one layer ahead")
-    previous, previous_layers = mx.get_memory_limit(), _layers_ahead
+    is_default = layers is None
+    if is_default:
+        layers = DEFAULT_LAYERS
+    if layers < 0:
+        raise ValueError(f"layers={layers}: a whole number of layers ahead expected (0: no bound)")
+    previous, previous_layers = mx.get_memory_limit(), (_layers_ahead, _layers_default)
     limit = None if headroom is None else mx.get_active_memory() + headroom
     if limit is not None and limit < previous:
         mx.set_memory_limit(limit)
-    _layers_ahead = layers
+    _layers_ahead, _layers_default = (layers or None), is_default
     try:
         yield
     finally:
-        _layers_ahead = previous_layers
+        _layers_ahead, _layers_default = previous_layers
         mx.set_memory_limit(previous)

@@ -270,7 +270,7 @@ class TextModel(nn.Module):
             cache = [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        ahead = memory.layers_ahead() if h.shape[1] > 1 else None
+        ahead = memory.layers_ahead(h.shape[1]) if h.shape[1] > 1 else None
         queued = []
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)

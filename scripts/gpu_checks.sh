@@ -49,12 +49,10 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
-# deltanet_intra (opt-in until this run): the DeltaNet intra-chunk part in one launch, whole prefills on vs off.
-step 60 150 "prefill, deltanet_intra on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
-  --whole-only --no-bounded --ab-switch deltanet_intra --json "$res/prefill_intra.json"
-# flash_attn (opt-in until this run): the attention layers' prefill with the online softmax, on vs off.
-step 60 150 "prefill, flash_attn on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 2048 16384 \
-  --whole-only --no-bounded --ab-switch flash_attn --json "$res/prefill_flash.json"
+# The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) and the
+# run-ahead bound's A/B: each length unbounded too (--layers-ahead 0), one process.
+step 60 150 "prefill, defaults vs run-ahead unbounded" python3 -m bench.profile_prefill --model "$model" \
+  --tokens 512 2048 8192 --whole-only --headroom --layers-ahead 0 --json "$res/prefill_defaults.json"
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
   --json "$res/prefill_parts.json"

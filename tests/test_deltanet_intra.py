@@ -39,7 +39,8 @@ def _check(case, got, want, tol=TOL):
     for name, x, ref in zip(NAMES, got, want):
         assert x.shape == ref.shape and x.dtype == F32, f"{case} {name}: {x.shape} {x.dtype}"
         assert not mx.isnan(x).any().item(), f"{case}: unwritten (NaN) {name}"
-        err = 0.0 if mx.array_equal(x, ref).item() else _rel(x, ref)  # g_last can underflow to 0 in both
+        # g_last = e^(G_C) can underflow: the H200 returns the denormal 1.4e-45 where the CPU returns 0
+        err = (mx.linalg.norm((x - ref).flatten()) / max(mx.linalg.norm(ref.flatten()).item(), 1e-30)).item()
         assert err < tol, f"{case} {name}: rel err {err:.2e}"
 
 

@@ -119,7 +119,8 @@ def test_flash_attn_metal(case):
     _gpu("metal", case)
 
 
-def _model_prefill_on_vs_off():
+def _model_prefill_on_vs_off(monkeypatch):
+    monkeypatch.setattr(ops, "FLASH_MIN_SCORES", 0)  # the embedded model's prompts are far below the rule
     model, _ = lily_mlx.load_model(EMBEDDED_MODEL, dtype=mx.bfloat16)
     prompt = mx.random.randint(0, 256, (1, 150), key=mx.random.key(3))
     runs = []
@@ -134,13 +135,13 @@ def _model_prefill_on_vs_off():
 
 
 @pytest.mark.cuda
-def test_model_prefill_with_flash_attn_cuda():
-    _model_prefill_on_vs_off()
+def test_model_prefill_with_flash_attn_cuda(monkeypatch):
+    _model_prefill_on_vs_off(monkeypatch)
 
 
 @pytest.mark.metal
-def test_model_prefill_with_flash_attn_metal():
-    _model_prefill_on_vs_off()
+def test_model_prefill_with_flash_attn_metal(monkeypatch):
+    _model_prefill_on_vs_off(monkeypatch)
 
 
 # ---- CPU: declines and the dispatcher -------------------------------------------------------------
@@ -167,15 +168,19 @@ def test_key_step_fits_shared_memory():
     assert fa.keys_per_step(256, "cuda") == 32 and fa.keys_per_step(256, "metal") == 16
 
 
-def test_dispatch_takes_the_kernel_only_when_switched_on(monkeypatch):
+def test_dispatch_takes_the_kernel_from_its_score_count_when_switched_on(monkeypatch):
     calls = []
     monkeypatch.setitem(ops._kernels, "flash_attn", lambda *a, **kw: calls.append(kw) or None)
-    q, k, v = Case(1, 4, 2, 8, 12, 64).arrays()
+    q, k, v = Case(1, 4, 2, 8, 12, 64).arrays()  # 4 * 8 * 12 = 384 scores
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     want = reference.attention(q, k, v, scale=0.125, mask="causal")
+    assert ops.enabled("flash_attn")  # on by default
+    monkeypatch.setattr(ops, "FLASH_MIN_SCORES", 385)
+    ops.attention(q, k, v, scale=0.125, mask="causal")
+    assert calls == []  # below the rule: MLX's attention
+    monkeypatch.setattr(ops, "FLASH_MIN_SCORES", 384)
     with ops.switched("flash_attn", False):
         ops.attention(q, k, v, scale=0.125, mask="causal")
     assert calls == []
-    with ops.switched("flash_attn", True):
-        got = ops.attention(q, k, v, scale=0.125, mask="causal")  # the kernel declines: the reference
+    got = ops.attention(q, k, v, scale=0.125, mask="causal")  # the kernel declines: the reference
     assert calls == [{"scale": 0.125, "mask": "causal"}] and mx.array_equal(got, want).item()

@@ -236,7 +236,8 @@ def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
 
 def test_bounded_prefill_layers_ahead(monkeypatch):
     """layers=N: the prefill waits for the layer N back after dispatching each one (N + 1 layers per wait at most),
-    with the same logits as the unbounded prefill; a one-token step never waits; bad values name the variable."""
+    with the same logits as the unbounded prefill; a one-token step never waits; by default one layer ahead for
+    chunks of memory.MIN_TOKENS or more; 0 is no bound; bad values name the variable."""
     from lily_mlx import memory
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
@@ -259,15 +260,20 @@ def test_bounded_prefill_layers_ahead(monkeypatch):
         return out, n, len(waits) - n
 
     want, n, _ = run()
-    assert n == 0 and memory.layers_ahead() is None
+    assert n == 0 and memory.layers_ahead(10) is None  # 10 tokens: under the default's MIN_TOKENS
     for ahead in (1, 2):
         got, n, n_step = run(layers=ahead)
         assert mx.array_equal(got, want).item() and n == n_layers - ahead and n_step == 0, (ahead, n, n_step)
-    monkeypatch.setenv(memory.LAYERS_ENV, "1")
-    assert run()[1] == n_layers - 1
-    for bad in ("0", "two", "-1"):
+    monkeypatch.setattr(memory, "MIN_TOKENS", 10)  # the default bound now takes this prompt
+    assert run()[1] == n_layers - memory.DEFAULT_LAYERS
+    assert run(layers=0)[1] == 0
+    monkeypatch.setenv(memory.LAYERS_ENV, "0")
+    assert run()[1] == 0
+    monkeypatch.setenv(memory.LAYERS_ENV, "2")
+    assert run()[1] == n_layers - 2
+    for bad in ("two", "-1"):
         monkeypatch.setenv(memory.LAYERS_ENV, bad)
         with pytest.raises(ValueError, match=memory.LAYERS_ENV):
             with memory.bounded_prefill():
                 pass
-    assert memory.layers_ahead() is None  # restored after the error
+    assert memory.layers_ahead(1 << 20) is None  # restored after the error

@@ -123,4 +123,6 @@ def _dispatch(*args, **kwargs):
     return chunk_intra(*args, backend=backend(), **kwargs)
 
 
-register_kernel("deltanet_intra", SPEC.description + " (not yet run on a GPU: opt-in)", _dispatch, default_on=False)
+# On: its cuda tests pass on the H200, where a whole prefill took 75.2 vs 78.5 ms at 512 tokens and 150.0 vs 154.0 ms
+# at 2048 with it (2026-12-03, run 9, one process).
+register_kernel("deltanet_intra", SPEC.description, _dispatch)

@@ -101,4 +101,6 @@ def _dispatch(q, k, v, **kwargs):
     return attention(q, k, v, backend=backend(), **kwargs)
 
 
-register_kernel("flash_attn", SPEC.description + " (not yet run on a GPU: opt-in)", _dispatch, default_on=False)
+# On (from ops.FLASH_MIN_SCORES scores): its cuda tests pass on the H200, where a 16,384-token prefill took 1433 vs
+# 1635 ms with it and a 2048-token one 163.1 vs 160.3 (2026-12-03, run 9, one process).
+register_kernel("flash_attn", SPEC.description, _dispatch)
