@@ -3,8 +3,8 @@
 qmv against mx.quantized_matmul for each of the model's projection shapes at batch 1, then the other
 kernels at the 35B-A3B shapes against the path the dispatcher takes with their switch off (MLX's own
 ops): the MoE block's two launches (gather_qmm), the DeltaNet decode step, decode attention at 256 and
-4096 positions, the prefill chunk scan, the expert dequantize, and the opt-in qmv_attn (against the kernels'
-unfolded path) and dequant_rows (the embedding lookup). Each row checks its kernel first (a
+4096 positions, the prefill's chunk scan, intra-chunk part and flash attention, the expert dequantize, qmv_attn
+(against the kernels' unfolded path) and dequant_rows (the embedding lookup). Each row checks its kernel first (a
 failing row reports no timing), then times both through MLX as the model calls them: a chain of calls
 evaluated at once, rotating over enough input copies that the 60 MB L2 cannot serve them. Times are
 wall-clock per call, so they include MLX's per-primitive cost (about 4-5 us), which bounds the small
@@ -261,12 +261,49 @@ def moe_gemm_row(d):
                                         sorted_indices=True)), nbytes, 1
 
 
+def intra_row(d):
+    """The prefill's intra-chunk part of one DeltaNet layer (T tokens) from normalised q, k and the gates: every
+    output returned, so the MLX side computes them all too."""
+    Hk, Hv, Dk, Dv, T, C = d["Hk"], d["Hv"], d["Dk"], d["Dv"], d["T"], d["C"]
+    keys = mx.random.split(mx.random.key(8), 5)
+    q = (reference.l2_normalize(mx.random.normal((1, T, Hk, Dk), key=keys[0])) * Dk**-0.5).astype(BF16)
+    k = reference.l2_normalize(mx.random.normal((1, T, Hk, Dk), key=keys[1])).astype(BF16)
+    v = mx.random.normal((1, T, Hv, Dv), key=keys[2]).astype(BF16)
+    log_g = -mx.abs(mx.random.normal((1, T, Hv), key=keys[3])) * 0.05
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[4]))
+    mx.eval(q, k, v, log_g, beta)
+    nbytes = 2 * (q.size * 2 + v.size) + 4 * 2 * log_g.size + 4 * Hv * T * (Dv + 3 * Dk + C) + 4 * Hv * (T // C)
+    return (lambda i: ops.chunk_intra(q, k, v, log_g, beta, chunk_size=C)[:6]), nbytes, 1
+
+
+def flash_row(d, T: int):
+    """Causal prefill attention of one layer over T tokens (GQA, head_dim D), the dispatcher's score rule set
+    aside so the kernel runs at any length: bytes are q, k, v read and the output written once."""
+    Hq, Hkv, D = d["Hq"], d["Hkv"], d["D"]
+    keys = mx.random.split(mx.random.key(9), 3)
+    q = mx.random.normal((1, Hq, T, D), key=keys[0]).astype(BF16)
+    k, v = (mx.random.normal((1, Hkv, T, D), key=keys[i]).astype(BF16) for i in (1, 2))
+    mx.eval(q, k, v)
+
+    def ours(i):
+        rule, ops.FLASH_MIN_SCORES = ops.FLASH_MIN_SCORES, 0
+        try:
+            return ops.attention(q, k, v, scale=D**-0.5, mask="causal")
+        finally:
+            ops.FLASH_MIN_SCORES = rule
+    return ours, 2 * (2 * q.size + 2 * k.size), 1
+
+
 OP_ROWS = [
     ("moe_gate_up+moe_down_combine", "MoE block, 1 token (top-k experts + shared)", moe_row),
     ("deltanet_step", "DeltaNet decode step, 1 token", deltanet_step_row),
     ("attn_decode", "decode attention, 256 cached", lambda d: attn_row(d, 256)),
     ("attn_decode", "decode attention, 4096 cached", lambda d: attn_row(d, 4096)),
     ("deltanet_chunk", "prefill chunk scan, one layer", chunk_row),
+    ("deltanet_intra", "prefill intra-chunk part, one layer (vs MLX's ops)", intra_row),
+    ("flash_attn", "causal prefill attention, one layer, T tokens (vs MLX's unfused attention)",
+     lambda d: flash_row(d, d["T"])),
+    ("flash_attn", "the same at 4T tokens", lambda d: flash_row(d, 4 * d["T"])),
     ("dequant", "every expert's gate projection to bf16", dequant_row),
     ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
@@ -287,11 +324,13 @@ def bench_op(switch: str, build, dims: dict, peak: float, reps: int) -> dict:
     """One op: our kernel's output against the switch-off path's first, then both timed the same way."""
     names = switch.split("+")
     ours, nbytes, copies = build(dims)
+    def flat(out):  # one array, or every output of a multi-output op, as one float32 vector for the check
+        return mx.concatenate([a.reshape(-1).astype(mx.float32) for a in (out if isinstance(out, tuple) else (out,))])
+
     with _forced_on(names):
-        y = ours(0)
+        y = flat(ours(0))
     with ops.disabled(*names):
-        ref = ours(0)
-    y, ref = y.astype(mx.float32), ref.astype(mx.float32)
+        ref = flat(ours(0))
     err = float("nan") if mx.isnan(y).any().item() else (mx.linalg.norm(y - ref) / mx.linalg.norm(ref)).item()
     row = {"bytes": nbytes, "copies": copies, "err": err, "ok": bool(err < 2e-2)}
     calls = max(copies, 16)
