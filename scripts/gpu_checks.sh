@@ -49,46 +49,48 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# Each kernel alone against MLX's path at the 35B shapes (new: deltanet_intra, whose whole-prefill gain was a tenth of
+# what its parts promised, and flash_attn at 2048 and 8192 tokens).
+step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
 # The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) and the
 # run-ahead bound's A/B: each length unbounded too (--layers-ahead 0), one process.
 step 60 150 "prefill, defaults vs run-ahead unbounded" python3 -m bench.profile_prefill --model "$model" \
   --tokens 512 2048 8192 --whole-only --headroom --layers-ahead 0 --json "$res/prefill_defaults.json"
+# Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
+# hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
+step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
+  --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
+# Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
+# stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
+python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
+for dt in bfloat16 float32; do
+  step 60 90 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
+    --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
+done
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
   --json "$res/prefill_parts.json"
+# Issue 5's dense projections at M > 16 rows and the routed experts, by rows, on their three paths each.
+step 60 120 "routed experts and dense projections by rows, three paths" python3 -m bench.profile_prefill \
+  --model "$model" --tokens 512 --whole-only --no-bounded --sweep --dense-sweep --json "$res/expert_sweep.json"
+step 60 150 "prefill at 16,384 and 65,536 tokens" python3 -m bench.profile_prefill --model "$model" \
+  --tokens 16384 65536 --whole-only --no-bounded --json "$res/prefill_long.json"
+# The memory bound with the opt-in headroom on top of the default layer bound (<= weights + 3 GB at 8192 tokens).
+step 60 150 "prefill at 8192 tokens, headroom capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
+  --whole-only --headroom 0.5 1 --json "$res/prefill_capped.json"
 # Where the decode step's CPU time goes inside MLX: py-spy (carried in as a wheel) on the warm decode loop only.
 if command -v py-spy >/dev/null; then
   step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
     --steps 16 --no-ops --py-spy "$res/decode_native.txt.gz" --py-spy-seconds 20 --json "$res/decode_native.json"
 fi
-# moe_packed (opt-in): the MoE decode pair passing one buffer where it passed four; the step on vs off, one process.
-step 60 80 "decode step, moe_packed on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
-  --steps 16 --no-ops --ab-switch moe_packed --json "$res/decode_ab_packed.json"
-# moe_gemm (the experts' GEMM dequantized in the tile): whole prefills with it on vs off, the routed experts of one
-# layer by token count on their three paths, and issue 5's memory bound (<= weights + 3 GB at 8192 tokens).
-step 60 150 "prefill, moe_gemm on vs off" python3 -m bench.profile_prefill --model "$model" --tokens 512 2048 \
-  --whole-only --no-bounded --ab-switch moe_gemm --json "$res/prefill_moe_gemm.json"
-step 60 150 "prefill at 8192 tokens, run-ahead capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
-  --whole-only --headroom 0.5 --layers-ahead 1 2 4 --json "$res/prefill_capped.json"
-step 60 150 "prefill at 16,384 and 65,536 tokens" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 16384 65536 --whole-only --no-bounded --json "$res/prefill_long.json"
-step 60 120 "routed experts and dense projections by rows, three paths" python3 -m bench.profile_prefill \
-  --model "$model" --tokens 512 --whole-only --no-bounded --sweep --dense-sweep --json "$res/expert_sweep.json"
-# Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
-# stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
-python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
-for dt in float32 bfloat16; do
-  step 60 90 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
-    --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
-done
+# cuda_source_files (opt-in): MLX hashes each launch's source (9% of the step's CPU samples in run 9); the switch
+# hashes two #include lines instead. Its only A/B (third session) was 0.4 ms slower for reasons not found.
+step 60 80 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
+  --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
-step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done
-# Each round records the hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
-step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
-  --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
