@@ -16,6 +16,7 @@ from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.ops import flash_attn as fa
 from lily_mlx.ops import reference
 from emulator import GXX, Emulator
+from test_deltanet_chunk import _rel
 
 F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
 
@@ -47,11 +48,6 @@ class Case:
             out = reference.attention(q.astype(F32), k.astype(F32), v.astype(F32), scale=self.D**-0.5, mask=self.mask)
             mx.eval(out)
         return out
-
-
-def _rel(x, ref):
-    x, ref = x.astype(F32), ref.astype(F32)
-    return (mx.linalg.norm((x - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
 
 
 TOL = 1e-2  # 16-bit q, k, v, P and output against the float32 reference: a few bf16 ulps
