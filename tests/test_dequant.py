@@ -111,10 +111,10 @@ def test_embedding_lookup_is_the_quantized_embedding_and_dispatches(monkeypatch)
     called = []
     monkeypatch.setitem(ops._kernels, "dequant_rows", lambda *a, **k: called.append(k) or emb(a[0]))
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    embedded(emb, ids)
-    assert not called  # opt-in
-    with ops.switched("dequant_rows", True):
+    with ops.switched("dequant_rows", False):
         embedded(emb, ids)
+    assert not called
+    embedded(emb, ids)  # on by default
     assert called == [{"group_size": 32, "bits": 4}]
     assert dq.embedding_rows(ids.astype(mx.int64), emb["weight"], emb["scales"], emb["biases"], group_size=32, bits=4,
                              backend="cuda") is None  # ids of another dtype: declined
