@@ -214,6 +214,10 @@ def main(argv=None) -> int:
     report = {"model": args.model, "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": []}
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     report["weights_gb"] = weights_gb
+
+    def save():  # after every length and sweep: a step cut short by its time limit keeps what it measured
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2))
     print(f"weights {weights_gb:.2f} GB", flush=True)
     for T in args.tokens:
         reps = 3 if T <= 16384 else 1
@@ -247,7 +251,9 @@ def main(argv=None) -> int:
             for name, ms in row["mixer_parts_ms"].items():
                 print(f"    {name:58} {ms:8.2f} ms", flush=True)
         report["rows"].append(row)
+        save()
     report["expert_sweep"] = expert_sweep(model) if args.sweep else []
+    save()
     for r in report["expert_sweep"]:
         print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
               f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms, moe_gemm {r['moe_gemm_ms']:7.3f} ms", flush=True)
@@ -256,8 +262,7 @@ def main(argv=None) -> int:
         ms = {k: "n/a" if r[k + "_ms"] is None else f"{r[k + '_ms']:7.3f} ms" for k in ("quantized_matmul", "dequant_gemm", "moe_gemm")}
         print(f"{r['proj']} {r['K']} -> {r['N']} at {r['rows']:5} rows: quantized matmul {ms['quantized_matmul']}, "
               f"dequantize + GEMM {ms['dequant_gemm']}, moe_gemm {ms['moe_gemm']}", flush=True)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    save()
     return 0
 
 

@@ -43,7 +43,7 @@ model=${MODEL:-/tmp/r35}
 done) 2>/dev/null
 if [ -n "${TESTS:-}" ]; then
   echo "tests: $TESTS"
-  step 90 150 "tests on the GPU" python3 -m pytest -q -n 8 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
+  step 90 200 "tests on the GPU" python3 -m pytest -q -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
 else
   step 150 200 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" \
     --ignore=tests/test_notebooks.py
@@ -52,10 +52,12 @@ wait
 # Each kernel alone against MLX's path at the 35B shapes (new: deltanet_intra, whose whole-prefill gain was a tenth of
 # what its parts promised, and flash_attn at 2048 and 8192 tokens).
 step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
-# The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) and the
-# run-ahead bound's A/B: each length unbounded too (--layers-ahead 0), one process.
-step 60 150 "prefill, defaults vs run-ahead unbounded" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 512 2048 8192 --whole-only --headroom --layers-ahead 0 --json "$res/prefill_defaults.json"
+# The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) by
+# length, each also unbounded (--layers-ahead 0), then the routed experts' and dense projections' paths by rows: one
+# process, so the 19.5 GB model loads once (about 25 s a load); the report is rewritten after every length.
+step 60 300 "prefill by length, defaults vs run-ahead unbounded; sweeps" python3 -m bench.profile_prefill \
+  --model "$model" --tokens 512 2048 8192 16384 65536 --whole-only --headroom --layers-ahead 0 --sweep --dense-sweep \
+  --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
@@ -70,11 +72,6 @@ done
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
   --json "$res/prefill_parts.json"
-# Issue 5's dense projections at M > 16 rows and the routed experts, by rows, on their three paths each.
-step 60 120 "routed experts and dense projections by rows, three paths" python3 -m bench.profile_prefill \
-  --model "$model" --tokens 512 --whole-only --no-bounded --sweep --dense-sweep --json "$res/expert_sweep.json"
-step 60 150 "prefill at 16,384 and 65,536 tokens" python3 -m bench.profile_prefill --model "$model" \
-  --tokens 16384 65536 --whole-only --no-bounded --json "$res/prefill_long.json"
 # The memory bound with the opt-in headroom on top of the default layer bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill at 8192 tokens, headroom capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
   --whole-only --headroom 0.5 1 --json "$res/prefill_capped.json"
