@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers-ahead", type=int, nargs="+", default=[], metavar="N",
                     help="also time each length with at most N decoder layers dispatched ahead of the GPU (0: unbounded)")
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
+    ap.add_argument("--flash-min-scores", type=int, nargs="+", default=[], metavar="N",
+                    help="also time each length with flash_attn taken from N scores (ops.FLASH_MIN_SCORES)")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
     args = ap.parse_args(argv)
@@ -235,6 +237,15 @@ def main(argv=None) -> int:
             row.setdefault("bounded", []).append({"layers_ahead": n, "prefill_s": t, "tok_s": T / t, "peak_gb": pk})
             print(f"  run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
                   f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
+        for n in args.flash_min_scores:
+            rule, ops.FLASH_MIN_SCORES = ops.FLASH_MIN_SCORES, n
+            try:
+                t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps)
+            finally:
+                ops.FLASH_MIN_SCORES = rule
+            row["flipped"][f"flash_attn from {n} scores"] = {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
+            print(f"  flash_attn from {n} scores: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB "
+                  f"(weights + {pk - weights_gb:.2f})", flush=True)
         for name in args.ab_switch:
             on = not ops.enabled(name)
             with ops.switched(name, on):

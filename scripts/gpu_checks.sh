@@ -53,11 +53,13 @@ wait
 # what its parts promised, and flash_attn at 2048 and 8192 tokens).
 step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
 # The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) by
-# length, each also unbounded (--layers-ahead 0), then the routed experts' and dense projections' paths by rows: one
-# process, so the 19.5 GB model loads once (about 25 s a load); the report is rewritten after every length.
-step 60 300 "prefill by length, defaults vs run-ahead unbounded; sweeps" python3 -m bench.profile_prefill \
-  --model "$model" --tokens 512 2048 8192 16384 65536 --whole-only --headroom --layers-ahead 0 --sweep --dense-sweep \
-  --json "$res/prefill_defaults.json"
+# length, each also unbounded (--layers-ahead 0) and with flash_attn from 2^26 scores (every 2048-token chunk: does
+# the 8192-token peak then meet weights + 3 GB, and at what cost?), then the routed experts' and dense projections'
+# paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load); the report is rewritten after
+# every length.
+step 60 300 "prefill by length, defaults vs run-ahead unbounded and flash from 2^26; sweeps" python3 -m bench.profile_prefill \
+  --model "$model" --tokens 512 2048 8192 16384 65536 --whole-only --headroom --layers-ahead 0 \
+  --flash-min-scores 67108864 --sweep --dense-sweep --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
