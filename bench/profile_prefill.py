@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -143,15 +144,12 @@ def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256, 2048)) -> list:
         run = lambda: wall_time(lambda: mx.eval(moe.switch_mlp(xn, inds)), reps=5)
         with ops.disabled("moe_dequant_gemm", "moe_gemm"):
             t_q = run()
-        saved = ops.DEQUANT_GEMM_MIN_ROWS, ops.MOE_GEMM_MIN_ROWS
-        ops.DEQUANT_GEMM_MIN_ROWS = ops.MOE_GEMM_MIN_ROWS = 0  # each path at every count, whatever the dispatcher's rule
-        try:
+        # each path at every count, whatever the dispatcher's rule
+        with mock.patch.multiple(ops, DEQUANT_GEMM_MIN_ROWS=0, MOE_GEMM_MIN_ROWS=0):
             with ops.disabled("moe_gemm"):
                 t_d = run()
             with ops.switched("moe_gemm", True):
                 t_m = run()
-        finally:
-            ops.DEQUANT_GEMM_MIN_ROWS, ops.MOE_GEMM_MIN_ROWS = saved
         rows.append({"tokens": T, "rows": T * moe.top_k, "gather_qmm_ms": 1e3 * t_q, "dequant_gemm_ms": 1e3 * t_d,
                      "moe_gemm_ms": 1e3 * t_m})
     return rows
@@ -177,8 +175,8 @@ def dense_sweep(model, tokens=(64, 256, 512, 2048, 8192)) -> list:
             paths = {
                 "quantized_matmul": lambda: reference.quantized_matmul(x, w, s, b, **q),
                 "dequant_gemm": lambda: x @ ops.dequantize(w, s, b, dtype=x.dtype, **q).T,
-                "moe_gemm": lambda: None if ops.backend() == "cpu" else moe_gemm.gather_matmul(x[:, None, :], w[None], zeros, scales=s[None], biases=b[None],
-                                                           backend=ops.backend(), **q),
+                "moe_gemm": lambda: None if ops.backend() == "cpu" else moe_gemm.gather_matmul(
+                    x[:, None, :], w[None], zeros, scales=s[None], biases=b[None], backend=ops.backend(), **q),
             }
             row = {"proj": name, "rows": T, "N": w.shape[0], "K": K}
             for path, fn in paths.items():
@@ -223,35 +221,27 @@ def main(argv=None) -> int:
     print(f"weights {weights_gb:.2f} GB", flush=True)
     for T in args.tokens:
         reps = 3 if T <= 16384 else 1
-        total, peak = prefill_time(model, T, cfg.vocab_size, reps=reps)
-        row = {"tokens": T, "prefill_s": total, "tok_s": T / total, "peak_gb": peak, "flipped": {}}
-        print(f"{T} tokens: prefill {total * 1e3:.1f} ms ({T / total:.0f} tok/s), peak memory {peak:.2f} GB "
-              f"(weights + {peak - weights_gb:.2f})", flush=True)
+
+        def timed(label: str, **bound) -> dict:  # one prefill of this length, its line printed, its record returned
+            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, **bound)
+            print(f"{label}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})",
+                  flush=True)
+            return {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
+
+        row = {"tokens": T, **timed(f"{T} tokens, whole prefill"), "flipped": {}}
         for gb in [] if args.no_bounded else args.headroom:
-            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, headroom=int(gb * 2**30))
-            row.setdefault("bounded", []).append({"headroom_gb": gb, "prefill_s": t, "tok_s": T / t, "peak_gb": pk})
-            print(f"  run-ahead bounded ({gb:g} GB headroom): {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
-                  f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
+            rec = timed(f"  run-ahead bounded ({gb:g} GB headroom)", headroom=int(gb * 2**30))
+            row.setdefault("bounded", []).append({"headroom_gb": gb, **rec})
         for n in [] if args.no_bounded else args.layers_ahead:
-            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, layers=n)
-            row.setdefault("bounded", []).append({"layers_ahead": n, "prefill_s": t, "tok_s": T / t, "peak_gb": pk})
-            print(f"  run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
-                  f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
+            rec = timed(f"  run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}", layers=n)
+            row.setdefault("bounded", []).append({"layers_ahead": n, **rec})
         for n in args.flash_min_scores:
-            rule, ops.FLASH_MIN_SCORES = ops.FLASH_MIN_SCORES, n
-            try:
-                t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps)
-            finally:
-                ops.FLASH_MIN_SCORES = rule
-            row["flipped"][f"flash_attn from {n} scores"] = {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
-            print(f"  flash_attn from {n} scores: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB "
-                  f"(weights + {pk - weights_gb:.2f})", flush=True)
+            with mock.patch.object(ops, "FLASH_MIN_SCORES", n):
+                row["flipped"][f"flash_attn from {n} scores"] = timed(f"  flash_attn from {n} scores")
         for name in args.ab_switch:
             on = not ops.enabled(name)
             with ops.switched(name, on):
-                t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps)
-            row["flipped"][f"{name} {'on' if on else 'off'}"] = {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
-            print(f"  {name} {'on' if on else 'off'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB", flush=True)
+                row["flipped"][f"{name} {'on' if on else 'off'}"] = timed(f"  {name} {'on' if on else 'off'}")
         if not args.whole_only:
             row["parts"] = part_times(model, T)
             print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)

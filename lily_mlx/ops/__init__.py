@@ -306,11 +306,12 @@ FLASH_MIN_SCORES = 1 << 28
 
 def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]; mask None, 'causal' (bottom-right) or an array."""
-    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= FLASH_MIN_SCORES:
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    if scores >= FLASH_MIN_SCORES:
         out = _try("flash_attn", q, k, v, scale=scale, mask=mask)
         if out is not None:
             return out
-    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > MAX_ATTENTION_SCORES:
+    if scores > MAX_ATTENTION_SCORES:
         return reference.attention_query_blocked(q, k, v, scale=scale, mask=mask, max_scores=MAX_ATTENTION_SCORES)
     return reference.attention(q, k, v, scale=scale, mask=mask)
 
