@@ -28,6 +28,9 @@ LILY_INLINE void lily_mma_zero(lily_mma_c& c) { c.r[0] = c.r[1] = c.r[2] = c.r[3
 LILY_INLINE float lily_mma_get(const lily_mma_c& c, int i) { return c.r[i]; }
 LILY_INLINE int lily_mma_c_row(int lane, int pair) { return (lane >> 2) + 8 * pair; }
 LILY_INLINE int lily_mma_c_col(int lane, int) { return 2 * (lane & 3); }
+// Accumulator element el of fragment (i, j) of a warp tile at (t0, t1): its row and column in the tile's matrix.
+LILY_INLINE int lily_mma_el_row(int t0, int i, int lane, int el) { return t0 + i * LILY_MMA_M + lily_mma_c_row(lane, el / 2); }
+LILY_INLINE int lily_mma_el_col(int t1, int j, int lane, int el) { return t1 + j * LILY_MMA_N + lily_mma_c_col(lane, el / 2) + el % 2; }
 // ldmatrix: each group of 8 lanes names the 8 rows (16 bytes each) of one 8 x 8 matrix; matrix i lands in r[i].
 LILY_INLINE uint32_t lily_smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 template <typename T> LILY_INLINE void lily_mma_load_a(lily_mma_a<T>& a, const T* s, int ld, int lane) {

@@ -24,6 +24,9 @@ LILY_INLINE void lily_mma_zero(LILY_THREAD float2& c) { c = float2(0.0f); }
 LILY_INLINE float lily_mma_get(float2 c, int i) { return c[i]; }
 LILY_INLINE int lily_mma_c_row(int lane, int) { return lily_mma_fm(lane); }
 LILY_INLINE int lily_mma_c_col(int lane, int) { return lily_mma_fn(lane); }
+// Accumulator element el of fragment (i, j) of a warp tile at (t0, t1): its row and column in the tile's matrix.
+LILY_INLINE int lily_mma_el_row(int t0, int i, int lane, int el) { return t0 + i * LILY_MMA_M + lily_mma_c_row(lane, el / 2); }
+LILY_INLINE int lily_mma_el_col(int t1, int j, int lane, int el) { return t1 + j * LILY_MMA_N + lily_mma_c_col(lane, el / 2) + el % 2; }
 template <typename T> LILY_INLINE void lily_mma_load_a(LILY_THREAD float2& a, const LILY_TG_PTR T* s, int ld, int lane) {
   const LILY_TG_PTR T* p = s + lily_mma_fm(lane) * ld + lily_mma_fn(lane);
   a = float2(static_cast<float>(p[0]), static_cast<float>(p[1]));
