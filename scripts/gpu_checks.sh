@@ -8,6 +8,7 @@
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
+# LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,8 +59,8 @@ step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
 # paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load); the report is rewritten after
 # every length.
 step 60 300 "prefill by length, defaults vs run-ahead unbounded and flash from 2^26; sweeps" python3 -m bench.profile_prefill \
-  --model "$model" --tokens 512 2048 8192 16384 65536 --whole-only --headroom --layers-ahead 0 \
-  --flash-min-scores 67108864 --sweep --dense-sweep --json "$res/prefill_defaults.json"
+  --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only --headroom ${PREFILL_VARIANTS---layers-ahead 0 \
+  --flash-min-scores 67108864 --sweep --dense-sweep} --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
