@@ -5,6 +5,8 @@ Rows arrive sorted by expert (SwitchGLU sorts them). `expert_starts` turns the s
 prefix sums the kernel's blocks search: where each expert's rows and its 64-row tiles begin. Until this kernel,
 the prefill dequantized every expert of a layer to bf16 (1.6 GB written, then re-read by MLX's grouped GEMM,
 `moe_dequant_gemm`); here each block dequantizes one 128 x 64 slice of one expert's codes into shared memory.
+Each slice's raw codes, x rows and scales are copied into one of STAGES shared-memory stages ahead of use (cp.async
+on CUDA), so a block keeps several slices of weight loads in flight (kernels/scratch/NOTES.md, v3).
 The tensor cores take 16-bit operands, so float32 activations keep the other paths. H200, 2026-12-04 (first
 version, bench/profile_prefill.py): a 2048-token prefill 308.5 -> 214.3 ms, 512 tokens 205.2 -> 105.4 ms, peak
 memory 9 GB lower; one layer's routed experts on 16,384 rows 4.56 -> 1.98 ms.
