@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -364,6 +365,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rows", metavar="REGEX", help="only the kernel rows whose switch matches (no qmv shapes)")
     ap.add_argument("--shapes", choices=sorted(DIMS), default="model",
                     help="model: the 35B-A3B shapes (a GPU); tiny: toy sizes, a check of the harness on any backend")
     args = ap.parse_args(argv)
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
     print(f"read peak (mx.sum over {'2 GiB' if args.shapes == 'model' else '8 MiB'} of bf16): {peak / 1e9:.0f} GB/s\n")
     print("| shape | what | MB | qmv us | qmv GB/s | % peak | mx.qmm us | mx.qmm GB/s | speedup | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for K, N, bits, what in (SHAPES if args.shapes == "model" else TINY_SHAPES):
+    for K, N, bits, what in [] if args.rows else (SHAPES if args.shapes == "model" else TINY_SHAPES):
         r = bench_shape(K, N, bits, peak, args.reps)
         r["what"] = what
         rows.append(r)
@@ -384,6 +386,8 @@ def main(argv=None) -> int:
     print("\n| kernel | what | MB | ours us | ours GB/s | % peak | MLX us | MLX GB/s | speedup | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for switch, what, build in OP_ROWS:
+        if args.rows and not re.search(args.rows, switch):
+            continue
         r = bench_op(switch, build, DIMS[args.shapes], peak, args.reps)
         r.update(kernel=switch, what=what)
         rows.append(r)

@@ -16,6 +16,7 @@ from typing import Optional
 from unittest import mock
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -129,6 +130,49 @@ def mixer_parts(model, T: int) -> dict:
     return {name: 1e3 * wall_time(lambda: mx.eval(fn()), reps=5) for name, fn in parts.items()}
 
 
+def moe_parts(model, T: int) -> dict:
+    """The MoE block of one layer on T tokens, split the way SparseMoeBlock and SwitchGLU compose it (each part
+    alone, its inputs made beforehand): milliseconds per part, the GEMMs against the sorting and combining around
+    them."""
+    from lily_mlx import ops
+
+    moe = next(l for l in model.language_model.model.layers if l.is_linear).mlp
+    sw = moe.switch_mlp
+    E, k = moe.gate.weight.shape[0], moe.top_k
+    xn = (mx.random.normal((1, T, model.config.hidden_size)) * 0.5).astype(mx.bfloat16)
+    logits = moe.router(xn)
+    inds, scores = ops.moe_route(logits[..., :E], k, moe.norm_topk_prob)
+    flat = inds.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    x = mx.expand_dims(xn, (-2, -3)).flatten(0, -3)[order // k]
+    idx = flat[order]
+    starts = ops.sorted_expert_starts(idx, E)
+    kw = dict(sorted_indices=True, expert_starts=starts)
+    g, u = sw.gate_proj(x, idx, **kw), sw.up_proj(x, idx, **kw)
+    h = mx.random.normal(g.shape).astype(g.dtype) * 0.1
+    y = sw.down_proj(h, idx, **kw)
+    yk = mx.unflatten(y[inv_order], 0, inds.shape).squeeze(-2)
+    mx.eval(xn, logits, inds, scores, order, inv_order, x, idx, starts, g, u, y, yk)
+    parts = {
+        "router + top-k": lambda: ops.moe_route(moe.router(xn)[..., :E], k, moe.norm_topk_prob),
+        "argsort (order)": lambda: mx.argsort(flat),
+        "argsort (inverse)": lambda: mx.argsort(order),
+        "gather x rows": lambda: mx.expand_dims(xn, (-2, -3)).flatten(0, -3)[order // k],
+        "expert starts": lambda: ops.sorted_expert_starts(idx, E),
+        "gate projection": lambda: sw.gate_proj(x, idx, **kw),
+        "up projection": lambda: sw.up_proj(x, idx, **kw),
+        "SiLU(gate) * up": lambda: nn.silu(g) * u,
+        "down projection": lambda: sw.down_proj(h, idx, **kw),
+        "unsort rows": lambda: mx.unflatten(y[inv_order], 0, inds.shape),
+        "weighted combine": lambda: (yk * scores[..., None]).sum(axis=-2).astype(xn.dtype),
+        "shared expert + its gate": lambda: mx.sigmoid(logits[..., E:]) * moe.shared_expert(xn),
+        "routed experts whole (SwitchGLU)": lambda: sw(xn, inds),
+        "MoE block whole": lambda: moe(xn),
+    }
+    return {name: 1e3 * wall_time(lambda: mx.eval(fn()), reps=5) for name, fn in parts.items()}
+
+
 def expert_sweep(model, tokens=(4, 8, 16, 32, 64, 128, 256, 2048)) -> list:
     """Routed experts of one layer by token count, three ways: MLX's quantized gather, dequantize + MLX's grouped
     GEMM, and moe_gemm (dequantized in the tile): where ops.DEQUANT_GEMM_MIN_ROWS should sit, and whether
@@ -204,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
     ap.add_argument("--flash-min-scores", type=int, nargs="+", default=[], metavar="N",
                     help="also time each length with flash_attn taken from N scores (ops.FLASH_MIN_SCORES)")
+    ap.add_argument("--moe-parts", action="store_true", help="also time each part of the MoE block at each length")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
     args = ap.parse_args(argv)
@@ -251,6 +296,11 @@ def main(argv=None) -> int:
             print("  the DeltaNet mixer, part by part:", flush=True)
             for name, ms in row["mixer_parts_ms"].items():
                 print(f"    {name:58} {ms:8.2f} ms", flush=True)
+        if args.moe_parts:
+            row["moe_parts_ms"] = moe_parts(model, T)
+            print(f"  the MoE block at {T} tokens, part by part:", flush=True)
+            for name, ms in row["moe_parts_ms"].items():
+                print(f"    {name:58} {ms:8.3f} ms", flush=True)
         report["rows"].append(row)
         save()
     report["expert_sweep"] = expert_sweep(model) if args.sweep else []

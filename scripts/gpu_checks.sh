@@ -8,7 +8,8 @@
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
-# LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps.
+# LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; KERNEL_ROWS (a regex)
+# keeps only those kernel-table rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,7 +53,7 @@ fi
 wait
 # Each kernel alone against MLX's path at the 35B shapes (new: deltanet_intra, whose whole-prefill gain was a tenth of
 # what its parts promised, and flash_attn at 2048 and 8192 tokens).
-step 60 120 "kernel table" python3 -m bench.kernels --json "$res/kernels.json"
+step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
 # The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) by
 # length, each also unbounded (--layers-ahead 0) and with flash_attn from 2^26 scores (every 2048-token chunk: does
 # the 8192-token peak then meet weights + 3 GB, and at what cost?), then the routed experts' and dense projections'

@@ -331,9 +331,10 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert all(b["prefill_s"] > 0 for b in row["bounded"])
     assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
     assert prefill.main(["--model", model, "--tokens", "33", "--whole-only", "--no-bounded", "--flash-min-scores", "0",
-                         "--json", str(tmp_path / "w.json")]) == 0
+                         "--moe-parts", "--json", str(tmp_path / "w.json")]) == 0
     (row,) = json.loads((tmp_path / "w.json").read_text())["rows"]
     assert row["prefill_s"] > 0 and "bounded" not in row and "parts" not in row
+    assert row["moe_parts_ms"]["MoE block whole"] > 0 and row["moe_parts_ms"]["argsort (inverse)"] > 0
     assert row["flipped"]["flash_attn from 0 scores"]["prefill_s"] > 0
     assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv_attn+dequant_rows",
                         "--json", str(tmp_path / "d.json")]) == 0

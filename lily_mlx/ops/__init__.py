@@ -299,9 +299,10 @@ def rope(x, dims: int, base: float, offset) -> mx.array:
 MAX_ATTENTION_SCORES = 1 << 27
 
 
-# Scores (B * Hq * L * S) from which prefill attention takes flash_attn: H200, 35B-A3B, whole prefills (run 9)
-# 2048 tokens (2^26 scores a layer) 163.1 vs 160.3 ms with it, 16,384 (2^32) 1433 vs 1635 ms; in between unmeasured.
-FLASH_MIN_SCORES = 1 << 28
+# Scores (B * Hq * L * S) from which prefill attention takes flash_attn: H200, 35B-A3B, whole prefills in 2048-token
+# chunks (2^26 scores a layer), flash_attn from 2^26 vs from 2^28, one process (run 11): 2048 tokens 124.8 vs
+# 126.6 ms, 8192 519.8 vs 542.6, 16,384 1102.5 vs 1131.2 (run 9, 2048 tokens: 163.1 vs 160.3 without it).
+FLASH_MIN_SCORES = 1 << 26
 
 
 def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
