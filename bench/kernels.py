@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from lily_mlx import ops  # noqa: E402
-from lily_mlx.ops import moe_gemm, qmv, reference  # noqa: E402
+from lily_mlx.ops import qmv, reference  # noqa: E402
 
 # (K, N, bits, what): the model's dense projections at decode.
 SHAPES = [
@@ -250,10 +250,9 @@ def dequant_row(d):
     return (lambda i: ops.dequantize(w, s, b, group_size=GROUP, bits=4, dtype=BF16)), nbytes, 1
 
 
-def moe_gemm_row(d, down: bool = False, stages=None):
+def moe_gemm_row(d, down: bool = False):
     """Every routed expert's gate (or down) projection on a 2048-token prefill's sorted rows (16,384 at top-8),
-    against dequantize + MLX's grouped GEMM: bytes are the codes read once and x read and y written once.
-    stages: moe_gemm's shared-memory stages instead of the backend's default."""
+    against dequantize + MLX's grouped GEMM: bytes are the codes read once and x read and y written once."""
     E, I, H, rows = d["E"], d["I"], d["H"], d["prefill_rows"]
     K, N = (I, H) if down else (H, I)
     w, s, b = _quant((E, N, K), 10)
@@ -261,11 +260,8 @@ def moe_gemm_row(d, down: bool = False, stages=None):
     x = (mx.random.normal((rows, 1, K), key=mx.random.key(12)) * 0.5).astype(BF16)
     mx.eval(w, s, b, idx, x)
     nbytes = E * N * K // 2 + 2 * 2 * E * N * K // GROUP + 2 * rows * (K + N)
-
-    def ours(i):
-        with mock.patch.dict(moe_gemm.STAGES, {} if stages is None else {"cuda": stages, "metal": stages}):
-            return ops.gather_matmul(x, w, idx, scales=s, biases=b, group_size=GROUP, bits=4, sorted_indices=True)
-    return ours, nbytes, 1
+    return (lambda i: ops.gather_matmul(x, w, idx, scales=s, biases=b, group_size=GROUP, bits=4,
+                                        sorted_indices=True)), nbytes, 1
 
 
 def intra_row(d):
@@ -310,8 +306,6 @@ OP_ROWS = [
     ("flash_attn", "the same at 4T tokens", lambda d: flash_row(d, 4 * d["T"])),
     ("dequant", "every expert's gate projection to bf16", dequant_row),
     ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
-    ("moe_gemm", "the same, 2 stages", lambda d: moe_gemm_row(d, stages=2)),
-    ("moe_gemm", "the same, 3 stages", lambda d: moe_gemm_row(d, stages=3)),
     ("moe_gemm", "experts' down projection, the same rows", lambda d: moe_gemm_row(d, down=True)),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
     ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),

@@ -19,7 +19,7 @@ from emulator import GXX, Emulator
 
 F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
 # (rows per expert, K, N, bits, group, x dtype, scales dtype)
-# K 192 at group 64: three scale groups a row, so the scale runs are copied element-wise (no aligned pairs).
+# K 192: three slices of K, an odd number of scale groups a row; group 32 at 4 bits: two groups a slice.
 CASES = [((0, 65, 1, 4, 0), 128, 160, 4, 64, BF16, BF16), ((37, 0, 0), 128, 96, 8, 32, F16, F32),
          ((2, 3, 0, 4), 256, 136, 4, 128, BF16, F16), ((5, 70), 192, 96, 4, 64, BF16, BF16),
          ((64, 3), 256, 72, 4, 32, F16, BF16)]
@@ -59,14 +59,12 @@ def test_expert_starts_are_prefix_sums():
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_metal_emulated_matches_oracle(tmp_path):
-    """Metal's one stage, and the stage rings CUDA runs (2 and 4 stages: the copies' slots and wait counts)."""
     emu, wants = Emulator(tmp_path), []
-    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES * 2):
-        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i % len(CASES))
+    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
+        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
         E, rows = len(counts), sum(counts)
         row_starts, tile_starts = mg.expert_starts(idx, E)
-        stages = mg.STAGES["metal"] if i < len(CASES) else (2, 4)[i % 2]
-        emu.add(mg.SPEC, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages),
+        emu.add(mg.SPEC, mg.instance(xdt, sdt, rows, K, N, E, bits, group),
                 [x.reshape(rows, K), tile_starts, row_starts, q, s, b],
                 (mg.blocks(rows, N, E) * mg.THREADS, 1, 1), (mg.THREADS, 1, 1), [(rows, N)])
         wants.append((_oracle(x, q, s, b, idx, group, bits).reshape(rows, N), xdt))
@@ -103,7 +101,7 @@ def test_unsupported_arguments_are_declined():
     x, q, s, b, idx = _case((3, 2), 128, 40, 4, 64, BF16, BF16, 8)
     why = lambda **over: mg.unsupported(*[over.get(n, v) for n, v in
                                           (("x", x), ("w", q), ("indices", idx), ("scales", s), ("biases", b))],
-                                        over.get("group_size", 64), over.get("bits", 4), over.get("backend", "cuda"))
+                                        over.get("group_size", 64), over.get("bits", 4))
     assert why() is None
     assert "bfloat16 or float16" in why(x=x.astype(F32))
     assert "bits" in why(bits=3) and "groups of 32" in why(group_size=16)
@@ -111,22 +109,14 @@ def test_unsupported_arguments_are_declined():
     assert "do not match" in why(biases=None)
     assert "one int32/uint32 expert id per row" in why(indices=idx[:4])
     assert mg.gather_matmul(x.astype(F32), q, idx, scales=s, biases=b, group_size=64, bits=4, backend="cuda") is None
-    assert why(backend="metal") is None  # 4-bit, group 64, 16-bit scales: one stage fills Metal's 32 KB exactly
-    x8, q8, s8, b8, idx8 = _case((3, 0, 5), 64, 32, 8, 64, BF16, BF16, 7)
-    assert "32768 bytes of threadgroup memory" in mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "metal")
-    assert mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "cuda") is None
 
 
 def _gpu(backend):
     for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
         x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
-        for stages in (1, 2, 3, 4) if backend == "cuda" else (mg.STAGES[backend],):
-            got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
-                                   init_value=float("nan"), stages=stages)
-            if mg.unsupported(x, q, idx, s, b, group, bits, backend) is not None:  # Metal's 32 KB: 8-bit, group 32
-                assert got is None
-                continue
-            _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
+        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                               init_value=float("nan"))
+        _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
     # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
     # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather.
     E, rows = 256, 16384

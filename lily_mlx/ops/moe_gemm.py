@@ -5,8 +5,6 @@ Rows arrive sorted by expert (SwitchGLU sorts them). `expert_starts` turns the s
 prefix sums the kernel's blocks search: where each expert's rows and its 64-row tiles begin. Until this kernel,
 the prefill dequantized every expert of a layer to bf16 (1.6 GB written, then re-read by MLX's grouped GEMM,
 `moe_dequant_gemm`); here each block dequantizes one 128 x 64 slice of one expert's codes into shared memory.
-Each slice's raw codes, x rows and scales are copied into one of STAGES shared-memory stages ahead of use (cp.async
-on CUDA), so a block keeps several slices of weight loads in flight (kernels/scratch/NOTES.md, v3).
 The tensor cores take 16-bit operands, so float32 activations keep the other paths. H200, 2026-12-04 (first
 version, bench/profile_prefill.py): a 2048-token prefill 308.5 -> 214.3 ms, 512 tokens 205.2 -> 105.4 ms, peak
 memory 9 GB lower; one layer's routed experts on 16,384 rows 4.56 -> 1.98 ms.
@@ -20,21 +18,10 @@ import mlx.core as mx
 
 from . import kernels, metal_source, register_kernel
 
-BM, BN, BK, LD = 64, 128, 64, 72  # the body's tile: rows, output columns, reduction slice, padded row
+BM, BN, BK = 64, 128, 64  # the body's tile: rows, output columns, reduction slice
 THREADS = 256
 ACTIVATIONS = (mx.bfloat16, mx.float16)
-SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E", "STAGES")
-# Shared-memory stages per block: STAGES - 1 slices of loads in flight while one is multiplied. CUDA's cp.async
-# copies run behind the MMAs; Metal's copies are plain loads and its 32 KB of threadgroup memory holds one stage.
-STAGES = {"cuda": 4, "metal": 1}
-METAL_SHARED_LIMIT = 32768
-
-
-def shared_bytes(stages: int, bits: int, group_size: int, scale_dtype) -> int:
-    """The body's shared memory: `stages` x (x slice, raw codes, scale and bias runs) + the dequantized tile."""
-    run = max(4, max(1, BK // group_size) * scale_dtype.size)  # the aligned scale run covering a slice
-    stage = BM * LD * 2 + BN * BK * bits // 8 + 2 * BN * run
-    return stages * stage + BN * LD * 2
+SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E")
 
 
 def expert_starts(indices: mx.array, experts: int) -> tuple[mx.array, mx.array]:
@@ -47,8 +34,8 @@ def expert_starts(indices: mx.array, experts: int) -> tuple[mx.array, mx.array]:
     return row_starts, tile_starts
 
 
-def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, backend: str = "cuda") -> Optional[str]:
-    """Why the kernel does not apply on `backend` (None when it does)."""
+def unsupported(x, w, indices, scales, biases, group_size: int, bits: int) -> Optional[str]:
+    """Why the kernel does not apply (None when it does)."""
     if x.dtype not in ACTIVATIONS:
         return f"activations {x.dtype}: the tensor-core GEMM takes bfloat16 or float16"
     if bits not in (4, 8) or group_size % 32 or w.dtype != mx.uint32 or w.ndim != 3:
@@ -64,16 +51,12 @@ def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, backe
         return f"indices {indices.dtype} {indices.shape}: one int32/uint32 expert id per row of x ({rows})"
     if rows * max(K, N) >= 2**31:
         return "int32 indexing: rows x width over 2^31"
-    if backend == "metal" and shared_bytes(STAGES["metal"], bits, group_size, scales.dtype) > METAL_SHARED_LIMIT:
-        return (f"bits={bits}, group_size={group_size}, scales {scales.dtype}: the tile needs more than Metal's "
-                f"{METAL_SHARED_LIMIT} bytes of threadgroup memory")
     return None
 
 
-def instance(x_dtype, scale_dtype, rows: int, K: int, N: int, E: int, bits: int, group_size: int,
-             stages: int = STAGES["cuda"]) -> kernels.Instance:
+def instance(x_dtype, scale_dtype, rows: int, K: int, N: int, E: int, bits: int, group_size: int) -> kernels.Instance:
     template = (("T", x_dtype), ("TS", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", K), ("N", N),
-                ("E", E), ("STAGES", stages))
+                ("E", E))
     inputs = ((x_dtype, (rows, K)), (mx.int32, (E + 1,)), (mx.int32, (E + 1,)), (mx.uint32, (E, N, K * bits // 32)),
               (scale_dtype, (E, N, K // group_size)), (scale_dtype, (E, N, K // group_size)))
     return kernels.Instance(template, inputs, (x_dtype,))
@@ -85,30 +68,26 @@ def blocks(rows: int, N: int, E: int) -> int:
 
 
 def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, backend: str,
-                  starts: Optional[tuple[mx.array, mx.array]] = None, init_value: Optional[float] = None,
-                  stages: Optional[int] = None):
+                  starts: Optional[tuple[mx.array, mx.array]] = None, init_value: Optional[float] = None):
     """x [..., 1, K] rows sorted by expert, w [E, N, K*bits/32], indices [...] (sorted) -> [..., 1, N] in x's
-    dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E) if already computed;
-    `stages`: the backend's STAGES unless given (the bench's variants)."""
-    if unsupported(x, w, indices, scales, biases, group_size, bits, backend) is not None:
+    dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E) if already computed."""
+    if unsupported(x, w, indices, scales, biases, group_size, bits) is not None:
         return None
     E, N, K = w.shape[0], w.shape[1], x.shape[-1]
     rows = x.size // K
-    stages = stages or STAGES[backend]
     row_starts, tile_starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
-    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages)
+    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size)
     y = kernels.call("moe_gemm", backend, [x.reshape(rows, K), tile_starts, row_starts, w, scales, biases],
                      list(inst.template), (blocks(rows, N, E) * THREADS, 1, 1), (THREADS, 1, 1), [(rows, N)],
-                     [x.dtype], init_value, shared_bytes(stages, bits, group_size, scales.dtype))[0]
+                     [x.dtype], init_value)[0]
     return y.reshape(*x.shape[:-1], N)
 
 
 # The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes.
 def _instances() -> list[kernels.Instance]:
-    insts = [instance(t, mx.bfloat16, 16384, K, N, 256, 4, 64, s) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))
-             for s in sorted(set(STAGES.values()))]
+    insts = [instance(t, mx.bfloat16, 16384, K, N, 256, 4, 64) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))]
     insts += [instance(mx.bfloat16, mx.bfloat16, 70, 192, 160, 5, 4, 64), instance(mx.float16, mx.float32, 37, 128, 96, 3, 8, 32),
-              instance(mx.bfloat16, mx.float16, 9, 256, 136, 4, 4, 128, 1)]
+              instance(mx.bfloat16, mx.float16, 9, 256, 136, 4, 4, 128)]
     return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_gemm", i.template, i.inputs,
                                                                                       i.output_dtypes))
 
