@@ -264,6 +264,17 @@ def moe_gemm_row(d, down: bool = False):
                                         sorted_indices=True)), nbytes, 1
 
 
+def combine_row(d):
+    """A 2048-token prefill's expert rows (16,384 at top-8, sorted by expert) back in token order, weighted and summed:
+    bytes are the rows read once and the output written once."""
+    E, H, rows, k = d["E"], d["H"], d["prefill_rows"], d["K"]
+    y = (mx.random.normal((rows, H), key=mx.random.key(13)) * 0.5).astype(BF16)
+    inv = mx.argsort(mx.random.randint(0, E, (rows,), key=mx.random.key(14)))
+    scores = mx.softmax(mx.random.normal((rows // k, k), key=mx.random.key(15)), axis=-1)
+    mx.eval(y, inv, scores)
+    return (lambda i: ops.combine_sorted_experts(y, inv, scores, BF16)), 2 * rows * H + 2 * rows // k * H, 1
+
+
 def intra_row(d):
     """The prefill's intra-chunk part of one DeltaNet layer (T tokens) from normalised q, k and the gates: every
     output returned, so the MLX side computes them all too."""
@@ -307,6 +318,7 @@ OP_ROWS = [
     ("dequant", "every expert's gate projection to bf16", dequant_row),
     ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
     ("moe_gemm", "experts' down projection, the same rows", lambda d: moe_gemm_row(d, down=True)),
+    ("moe_combine", "the experts' rows back in token order, weighted and summed (vs unsort + sum)", combine_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
     ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),
 ]

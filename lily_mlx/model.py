@@ -162,6 +162,22 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., H], indices [..., k] -> [..., k, H]."""
+        y, inv_order = self._experts(x, indices)
+        if inv_order is not None:
+            y = mx.unflatten(y[inv_order], 0, indices.shape)
+        return y.squeeze(-2)
+
+    def combined(self, x: mx.array, indices: mx.array, scores: mx.array, dtype) -> mx.array:
+        """sum_j scores[..., j] * self(x, indices)[..., j, :] -> [..., H] in dtype (float32 products and sum); sorted
+        rows go back to token order inside the weighted sum (ops.combine_sorted_experts)."""
+        y, inv_order = self._experts(x, indices)
+        if inv_order is None:
+            return (y.squeeze(-2) * scores[..., None]).sum(axis=-2).astype(dtype)
+        return ops.combine_sorted_experts(y.reshape(-1, y.shape[-1]), inv_order, scores, dtype)
+
+    def _experts(self, x: mx.array, indices: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+        """The SwiGLU experts' rows: ([..., k, 1, H], None) in token order, or sorted by expert ([T * k, 1, H],
+        inv_order: the sorted row of each flat (token, j))."""
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
         # Many tokens: sort by expert so each expert's rows are contiguous (as mlx-lm does).
         do_sort = indices.size >= 64
@@ -175,10 +191,7 @@ class SwitchGLU(nn.Module):
             starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
         kw = dict(sorted_indices=do_sort, expert_starts=starts)
         h = nn.silu(self.gate_proj(x, idx, **kw)) * self.up_proj(x, idx, **kw)
-        y = self.down_proj(h, idx, **kw)
-        if do_sort:
-            y = mx.unflatten(y[inv_order], 0, indices.shape)
-        return y.squeeze(-2)
+        return self.down_proj(h, idx, **kw), inv_order
 
 
 class SparseMoeBlock(nn.Module):
@@ -215,8 +228,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.router(xn)
         E = logits.shape[-1] - 1
         inds, scores = ops.moe_route(logits[..., :E], self.top_k, self.norm_topk_prob)  # [..., k]
-        y = self.switch_mlp(xn, inds)  # [..., k, H]
-        y = (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
+        y = self.switch_mlp.combined(xn, inds, scores, x.dtype)  # [..., H]
         y = y + mx.sigmoid(logits[..., E:]) * self.shared_expert(xn)
         return y if residual is None else residual + y
 

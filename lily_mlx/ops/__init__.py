@@ -357,6 +357,13 @@ def moe_route(logits, top_k: int, normalize: bool):
     return reference.moe_route(logits, top_k, normalize)
 
 
+def combine_sorted_experts(y, inv_order, scores, dtype) -> mx.array:
+    """Sorted expert rows y [R, H], inv_order [R], scores [..., k] -> the weighted sum over the top-k [..., H] in
+    dtype: one launch where the kernel applies (moe_combine), else the unsort gather and a float32 weighted sum."""
+    out = _try("moe_combine", y, inv_order, scores, dtype)
+    return out if out is not None else reference.moe_combine(y, inv_order, scores, dtype)
+
+
 def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, shared_up, shared_down, *,
                top_k: int, normalize: bool, group_size: int, bits: int):
     """x + MoE(rmsnorm(x)) for a few tokens: the routed top-k SwiGLU experts and the sigmoid-gated
@@ -396,6 +403,7 @@ from . import flash_attn as _flash_attn  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401
+from . import moe_combine as _moe_combine  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
 DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

@@ -332,3 +332,10 @@ def moe_route(logits: mx.array, top_k: int, normalize: bool):
     if normalize:
         scores = scores / scores.sum(axis=-1, keepdims=True)
     return inds, scores
+
+
+def moe_combine(y: mx.array, inv_order: mx.array, scores: mx.array, dtype) -> mx.array:
+    """Expert output rows y [R, H] sorted by expert, inv_order [R] (the row of each flat (token, j)), scores [..., k]
+    -> sum_j scores[..., j] * y[inv_order[(token, j)]] [..., H] in dtype (the products and sum in float32)."""
+    y = mx.unflatten(y[inv_order], 0, scores.shape)  # [..., k, H]
+    return (y * scores[..., None]).sum(axis=-2).astype(dtype)

@@ -1,0 +1,114 @@
+"""moe_combine (the prefill's sorted expert rows back in token order, weighted and summed over the top-k) against the
+reference (unsort gather, float32 weighted sum).
+
+CPU: the Metal source run by the shim's SIMT emulator on odd shapes (1, 3 and 65 tokens, H not a multiple of the
+block, top-k 1, 3 and 8, rows in any order; outputs start as NaN), the dispatcher (never on CPU, declines what it
+cannot do). GPU (`cuda`/`metal`): the same through MLX, the 35B-A3B shape, and a model prefill with it on vs off.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lily_mlx import ops
+from lily_mlx.ops import moe_combine as mc
+from lily_mlx.ops import reference
+from emulator import GXX, Emulator
+
+F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
+# (tokens, H, top-k, rows dtype, scores dtype, output dtype, inv dtype)
+CASES = [(1, 200, 3, BF16, F32, BF16, mx.int32), (3, 257, 8, F32, F32, F32, mx.uint32),
+         (65, 96, 1, F16, BF16, F32, mx.int32), (5, 512, 8, BF16, F32, BF16, mx.int32)]
+
+
+def _case(tokens, H, k, ydt, sdt, idt, seed):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    y = mx.random.normal((tokens * k, H), key=keys[0]).astype(ydt)
+    inv = mx.array(np.random.default_rng(seed).permutation(tokens * k).astype(np.int32)).astype(idt)
+    scores = mx.softmax(mx.random.normal((tokens, k), key=keys[2]), axis=-1).astype(sdt)
+    return y, inv, scores
+
+
+def _check(got, y, inv, scores, odt):
+    assert got.dtype == odt and not mx.isnan(got.astype(F32)).any().item(), "unwritten (NaN) outputs"
+    want = np.asarray(reference.moe_combine(y.astype(F32), inv, scores.astype(F32), F32), dtype=np.float64)
+    err = np.abs(np.asarray(got.astype(F32), dtype=np.float64) - want).max() / np.abs(want).max()
+    assert err < (1e-6 if odt == F32 else 8e-3), f"max rel err {err:.2e}"  # bf16/f16: the output's rounding
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_metal_emulated_matches_reference(tmp_path):
+    emu, cases = Emulator(tmp_path), []
+    for i, (tokens, H, k, ydt, sdt, odt, idt) in enumerate(CASES):
+        y, inv, scores = _case(tokens, H, k, ydt, sdt, idt, i)
+        emu.add(mc.SPEC, mc.instance(ydt, sdt, odt, tokens, H, k, idt), [y, inv, scores],
+                (tokens * mc.THREADS, 1, 1), (mc.THREADS, 1, 1), [(tokens, H)])
+        cases.append((y, inv, scores, odt))
+    for (y, inv, scores, odt), (got,) in zip(cases, emu.run()):
+        _check(got, y, inv, scores, odt)
+
+
+def test_dispatch_declines_on_cpu_and_bad_arguments(monkeypatch):
+    y, inv, scores = _case(3, 64, 2, BF16, F32, mx.int32, 0)
+    calls = []
+    monkeypatch.setattr(mc, "combine", lambda *a, **kw: calls.append(a) or None)
+    want = reference.moe_combine(y, inv, scores, BF16)
+    assert mx.array_equal(ops.combine_sorted_experts(y, inv, scores, BF16), want)  # CPU: the reference, kernel never asked
+    assert calls == []
+    why = mc.unsupported
+    assert why(y, inv, scores, BF16) is None
+    assert "2-D float rows" in why(y[None], inv, scores, BF16) and "2-D float rows" in why(y.astype(mx.int32), inv, scores, BF16)
+    assert "one int32 row and score per row" in why(y, inv[:4], scores, BF16)
+    assert "one int32 row and score per row" in why(y, inv.astype(F32), scores, BF16)
+    assert "top-k 65" in why(mx.zeros((65, 8)), mx.zeros((65,), mx.int32), mx.zeros((1, 65)), F32)
+
+
+def _gpu(backend):
+    for i, (tokens, H, k, ydt, sdt, odt, idt) in enumerate(CASES + [(2048, 2048, 8, BF16, F32, BF16, mx.int32)]):
+        y, inv, scores = _case(tokens, H, k, ydt, sdt, idt, i)
+        got = mc.combine(y, inv, scores, odt, backend=backend, init_value=float("nan"))
+        _check(got, y, inv, scores, odt)
+
+
+def _model_prefill_on_vs_off():
+    """The 4-bit embedded model (bf16 activations) prefilling 300 tokens, moe_combine on vs off: the kernel path
+    taken, and the logits equal but for the float32 summation order."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=BF16)
+    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 300)))
+    calls, real = [], ops._kernels["moe_combine"]
+    logits = {}
+    for on in (False, True):
+        with ops.switched("moe_combine", on):
+            ops._kernels["moe_combine"] = lambda *a, **k: calls.append(on) or real(*a, **k)
+            try:
+                logits[on] = model(toks, cache=model.make_cache()).astype(F32)
+            finally:
+                ops._kernels["moe_combine"] = real
+    assert calls and all(calls), "the kernel path was not taken"
+    err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+    assert err < 1e-2, f"prefill logits with moe_combine: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_moe_combine_cuda():
+    _gpu("cuda")
+
+
+@pytest.mark.metal
+def test_moe_combine_metal():
+    _gpu("metal")
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_combine_cuda():
+    _model_prefill_on_vs_off()
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_combine_metal():
+    _model_prefill_on_vs_off()
