@@ -9,7 +9,7 @@
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; KERNEL_ROWS (a regex)
-# keeps only those kernel-table rows.
+# keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -64,7 +64,7 @@ step 60 300 "prefill by length, defaults vs run-ahead unbounded and flash from 2
   --flash-min-scores 67108864 --sweep --dense-sweep} --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
-step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" -p 512 2048 -g 256 -n 3 --arms stock,lily \
+step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512 2048 -g 256 -n 3} --arms stock,lily \
   --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
 # Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
 # stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
