@@ -5,7 +5,9 @@ SwitchGLU sorts a prefill's (token, expert) rows by expert for the grouped GEMMs
 projection's output (a gather copying all T * k rows) and sums it weighted by the router's scores (a float32 product
 and a reduction over [T, k, H]). H200, 35B-A3B, one layer's MoE at 2048 tokens (run 12, bench/profile_prefill.py
 --moe-parts, each part alone): the unsort 0.33 ms and the weighted sum 0.33 ms, against 0.55 ms for one expert
-projection. This kernel reads the sorted rows once and writes [T, H].
+projection. This kernel reads the sorted rows once and writes [T, H]: 75.9 vs 435.6 us at 2048 tokens
+(bench.kernels, run 13), and the whole prefill, on vs off in one process, 71.8 vs 97.0 ms at 512 tokens, 123.1 vs
+130.7 at 2048, 466.9 vs 525.7 at 8192, 1001.5 vs 1113.4 at 16,384.
 """
 
 from __future__ import annotations
