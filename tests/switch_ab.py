@@ -1,0 +1,29 @@
+"""A kernel's switch on vs off in the embedded 4-bit model's prefill (bf16 activations): the GPU tests' model-level
+check that the kernel path is taken and the logits agree."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from lily_mlx import ops
+
+
+def prefill_rel_err(switch: str, tokens: int = 300) -> float:
+    """Relative error (L2) of the prefill logits with `switch` on against off; fails if the kernel never ran."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.bfloat16)
+    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, tokens)))
+    calls, real = [], ops._kernels[switch]
+    logits = {}
+    for on in (False, True):
+        with ops.switched(switch, on):
+            ops._kernels[switch] = lambda *a, **k: calls.append(on) or real(*a, **k)
+            try:
+                logits[on] = model(toks, cache=model.make_cache()).astype(mx.float32)
+            finally:
+                ops._kernels[switch] = real
+    assert calls and all(calls), f"the {switch} kernel path was not taken"
+    return (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
