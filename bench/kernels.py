@@ -318,6 +318,7 @@ OP_ROWS = [
     ("dequant", "every expert's gate projection to bf16", dequant_row),
     ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
     ("moe_gemm", "experts' down projection, the same rows", lambda d: moe_gemm_row(d, down=True)),
+    ("moe_gemm_staged", "experts' gate projection, the staged variant (vs the default body)", moe_gemm_row),
     ("moe_combine", "the experts' rows back in token order, weighted and summed (vs unsort + sum)", combine_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
     ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),

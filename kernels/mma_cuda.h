@@ -114,4 +114,25 @@ LILY_INLINE float lily_mma_row_sum(float v) {
   return v + lily_shfl_xor(v, 2);
 }
 
+// Asynchronous copies global -> shared (moe_gemm's stages): cp.async of N bytes (4, 8 or 16; both addresses
+// N-aligned), grouped by lily_copy_commit; lily_copy_wait<P> returns once at most P of this thread's groups are
+// in flight. Other threads' copies are visible after the barrier that follows the wait.
+template <int N, typename D, typename S> LILY_INLINE void lily_copy_async(D* dst, const S* src) {
+  if (N == 16)  // .cg: the codes stream through L2 only, keeping L1 for the rest
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(lily_smem_addr(dst)), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(lily_smem_addr(dst)), "l"(src), "n"(N) : "memory");
+}
+LILY_INLINE void lily_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int P> LILY_INLINE void lily_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(P) : "memory"); }
+// Dynamic shared memory: the launch asks for the bytes (kernels.call's shared_memory); too few traps.
+LILY_INLINE uint32_t lily_dynamic_smem() {
+  uint32_t v;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(v));
+  return v;
+}
+#define LILY_SHARED_DYNAMIC(type, name, count) \
+  extern __shared__ type name[];               \
+  if (lily_dynamic_smem() < sizeof(type) * (count)) __trap()
+
 #endif

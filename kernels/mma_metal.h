@@ -91,4 +91,19 @@ LILY_INLINE float lily_mma_row_sum(float v) {
   return v + lily_shfl_xor(v, 8);
 }
 
+// Copies global -> threadgroup with the names of CUDA's cp.async (moe_gemm's stages): plain N-byte copies here,
+// complete when they return, so commit and wait have nothing to do; the barrier after the wait publishes them.
+template <int N> struct lily_copy_unit;
+template <> struct lily_copy_unit<4> { typedef uint type; };
+template <> struct lily_copy_unit<8> { typedef uint2 type; };
+template <> struct lily_copy_unit<16> { typedef uint4 type; };
+template <int N, typename D, typename S> LILY_INLINE void lily_copy_async(LILY_TG_PTR D* dst, const device S* src) {
+  typedef typename lily_copy_unit<N>::type U;
+  *reinterpret_cast<LILY_TG_PTR U*>(dst) = *reinterpret_cast<const device U*>(src);
+}
+LILY_INLINE void lily_copy_commit() {}
+template <int P> LILY_INLINE void lily_copy_wait() {}
+// Threadgroup memory is sized in the source on Metal (32 KB at most).
+#define LILY_SHARED_DYNAMIC(type, name, count) threadgroup type name[count]
+
 #endif

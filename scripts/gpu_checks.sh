@@ -51,20 +51,19 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
-# Each kernel alone against MLX's path at the 35B shapes (new: deltanet_intra, whose whole-prefill gain was a tenth of
-# what its parts promised, and flash_attn at 2048 and 8192 tokens).
+# Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
+# against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
-# The defaults end to end (deltanet_intra, flash_attn past FLASH_MIN_SCORES, one layer ahead for long chunks) by
-# length, each also unbounded (--layers-ahead 0) and with flash_attn from 2^26 scores (every 2048-token chunk: does
-# the 8192-token peak then meet weights + 3 GB, and at what cost?), then the routed experts' and dense projections'
-# paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load); the report is rewritten after
-# every length.
-step 60 300 "prefill by length, defaults vs run-ahead unbounded and flash from 2^26; sweeps" python3 -m bench.profile_prefill \
-  --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only --headroom ${PREFILL_VARIANTS---layers-ahead 0 \
-  --flash-min-scores 67108864 --sweep --dense-sweep} --json "$res/prefill_defaults.json"
+# The defaults end to end by length, each also with the opt-in moe_gemm_staged (its kernel row was 15% faster than
+# the default body's across runs, never in one process), the MoE block part by part (the x gather is the next to
+# fold), and the routed experts' paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load);
+# the report is rewritten after every length.
+step 60 300 "prefill by length, defaults vs moe_gemm_staged; MoE parts; sweep" python3 -m bench.profile_prefill \
+  --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only --headroom ${PREFILL_VARIANTS---ab-switch moe_gemm_staged \
+  --moe-parts --sweep} --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
-step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512 2048 -g 256 -n 3} --arms stock,lily \
+step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512 2048 -g 64 -n 3} --arms stock,lily \
   --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
 # Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
 # stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).

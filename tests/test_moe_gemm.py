@@ -60,12 +60,16 @@ def test_expert_starts_are_prefix_sums():
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_metal_emulated_matches_oracle(tmp_path):
+    """The default body, and the staged variant at Metal's one stage and at the rings CUDA can run (2 and 4 stages:
+    the copies' slots and wait counts)."""
     emu, wants = Emulator(tmp_path), []
-    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
-        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
+    variants = [(mg.SPEC, None)] * len(CASES) + [(mg.STAGED_SPEC, (1, 2, 4)[i % 3]) for i in range(len(CASES))]
+    for i, (spec, stages) in enumerate(variants):
+        counts, K, N, bits, group, xdt, sdt = CASES[i % len(CASES)]
+        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i % len(CASES))
         E, rows = len(counts), sum(counts)
         row_starts, tile_starts = mg.expert_starts(idx, E)
-        emu.add(mg.SPEC, mg.instance(xdt, sdt, rows, K, N, E, bits, group),
+        emu.add(spec, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages),
                 [x.reshape(rows, K), tile_starts, row_starts, q, s, b],
                 (mg.blocks(rows, N, E) * mg.THREADS, 1, 1), (mg.THREADS, 1, 1), [(rows, N)])
         wants.append((_oracle(x, q, s, b, idx, group, bits).reshape(rows, N), xdt))
@@ -98,6 +102,18 @@ def test_dispatch_from_its_row_threshold_on_gpus_only(monkeypatch):
     assert [a.tolist() for a in starts] == [[0, 3, 3, 8], [0, 1, 1, 2]]
 
 
+def test_staged_variant_is_opt_in(monkeypatch):
+    x, q, s, b, idx = _case((40, 30), 64, 32, 4, 64, BF16, BF16, 9)
+    picked = []
+    monkeypatch.setattr(mg, "gather_matmul", lambda *a, **k: picked.append((k["backend"], k["stages"])))
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    kw = dict(scales=s, biases=b, group_size=64, bits=4)
+    mg._dispatch(x, q, idx, **kw)
+    with ops.switched("moe_gemm_staged", True):
+        mg._dispatch(x, q, idx, **kw)
+    assert picked == [("cuda", None), ("cuda", mg.STAGES["cuda"])]
+
+
 def test_unsupported_arguments_are_declined():
     x, q, s, b, idx = _case((3, 2), 128, 40, 4, 64, BF16, BF16, 8)
     why = lambda **over: mg.unsupported(*[over.get(n, v) for n, v in
@@ -109,15 +125,23 @@ def test_unsupported_arguments_are_declined():
     assert "multiple of 64" in why(x=x[..., :96], w=q[..., :12], scales=s[..., :1], biases=b[..., :1])
     assert "do not match" in why(biases=None)
     assert "one int32/uint32 expert id per row" in why(indices=idx[:4])
+    x8, q8, s8, b8, idx8 = _case((3, 0, 5), 64, 32, 8, 64, BF16, BF16, 7)
+    assert "32768 bytes of threadgroup memory" in mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "metal")
+    assert mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "cuda") is None and mg.unsupported(x8, q8, idx8, s8, b8, 64, 8) is None
+    assert mg.unsupported(x, q, idx, s, b, 64, 4, "metal") is None  # 4-bit, group 64, 16-bit scales: exactly 32 KB
     assert mg.gather_matmul(x.astype(F32), q, idx, scales=s, biases=b, group_size=64, bits=4, backend="cuda") is None
 
 
 def _gpu(backend):
     for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
         x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
-        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
-                               init_value=float("nan"))
-        _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
+        for stages in (None, 1, 2, 3, 4) if backend == "cuda" else (None, mg.STAGES[backend]):
+            got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                                   init_value=float("nan"), stages=stages)
+            if mg.unsupported(x, q, idx, s, b, group, bits, backend if stages else None) is not None:
+                assert got is None  # the staged tile past Metal's 32 KB: 8-bit, group 32 with float32 scales
+                continue
+            _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
     # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
     # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather.
     E, rows = 256, 16384

@@ -273,9 +273,9 @@ def included(spec: KernelSpec, src: str, hdr: str, folder: Path) -> tuple[str, s
 
 
 @functools.lru_cache(maxsize=None)
-def build(name: str, backend: str, via_files: bool = False):
+def build(name: str, backend: str, via_files: bool = False, shared_memory: int = 0):
     """The compiled-on-first-use MLX kernel object for a registered spec on a backend (CUDA: optionally
-    with its source in #included files)."""
+    with its source in #included files, and `shared_memory` bytes of dynamic shared memory a launch)."""
     spec = SPECS[name]
     src = body(spec, backend)
     hdr = header(backend, src)
@@ -284,14 +284,17 @@ def build(name: str, backend: str, via_files: bool = False):
         if folder is not None:
             src, hdr = included(spec, src, hdr, folder)
         return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
-                                   output_names=list(spec.output_names), source=src, header=hdr)
+                                   output_names=list(spec.output_names), source=src, header=hdr,
+                                   shared_memory=shared_memory)
     return mx.fast.metal_kernel(name=name, input_names=list(spec.input_names),
                                 output_names=list(spec.output_names), source=src, header=hdr)
 
 
 def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence[tuple[str, TemplateArg]],
          grid: tuple[int, int, int], threadgroup: tuple[int, int, int], output_shapes, output_dtypes,
-         init_value: Optional[float] = None) -> list[mx.array]:
+         init_value: Optional[float] = None, shared_memory: int = 0) -> list[mx.array]:
+    """Launches a registered kernel. shared_memory: the dynamic shared memory a CUDA body declares with
+    LILY_SHARED_DYNAMIC (Metal sizes it in the source)."""
     spec = SPECS[name]
     if len(template) != len(spec.template_params) or any(n != p for (n, _), p in zip(template, spec.template_params)):
         raise ValueError(f"kernel {name!r}: template arguments {[n for n, _ in template]} != declared {spec.template_params}")
@@ -300,5 +303,6 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
     from . import enabled
 
     kwargs = {} if init_value is None else {"init_value": init_value}
-    return build(name, backend, backend == "cuda" and enabled("cuda_source_files"))(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+    cuda = backend == "cuda"
+    return build(name, backend, cuda and enabled("cuda_source_files"), shared_memory if cuda else 0)(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, **kwargs)
