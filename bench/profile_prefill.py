@@ -165,7 +165,7 @@ def moe_parts(model, T: int) -> dict:
         "SiLU(gate) * up": lambda: nn.silu(g) * u,
         "down projection": lambda: sw.down_proj(h, idx, **kw),
         "unsort rows": lambda: mx.unflatten(y[inv_order], 0, inds.shape),
-        "weighted combine": lambda: (yk * scores[..., None]).sum(axis=-2).astype(xn.dtype),
+        "weighted combine": lambda: ops.weighted_top_k(yk, scores, xn.dtype),
         "unsort + weighted combine (moe_combine where on)": lambda: ops.combine_sorted_experts(
             y.reshape(-1, y.shape[-1]), inv_order, scores, xn.dtype),
         "shared expert + its gate": lambda: mx.sigmoid(logits[..., E:]) * moe.shared_expert(xn),

@@ -172,7 +172,7 @@ class SwitchGLU(nn.Module):
         rows go back to token order inside the weighted sum (ops.combine_sorted_experts)."""
         y, inv_order = self._experts(x, indices)
         if inv_order is None:
-            return (y.squeeze(-2) * scores[..., None]).sum(axis=-2).astype(dtype)
+            return ops.weighted_top_k(y.squeeze(-2), scores, dtype)
         return ops.combine_sorted_experts(y.reshape(-1, y.shape[-1]), inv_order, scores, dtype)
 
     def _experts(self, x: mx.array, indices: mx.array) -> tuple[mx.array, Optional[mx.array]]:

@@ -357,6 +357,11 @@ def moe_route(logits, top_k: int, normalize: bool):
     return reference.moe_route(logits, top_k, normalize)
 
 
+def weighted_top_k(y, scores, dtype) -> mx.array:
+    """The top-k experts' outputs y [..., k, H] summed weighted by scores [..., k] -> [..., H] in dtype."""
+    return reference.weighted_top_k(y, scores, dtype)
+
+
 def combine_sorted_experts(y, inv_order, scores, dtype) -> mx.array:
     """Sorted expert rows y [R, H], inv_order [R], scores [..., k] -> the weighted sum over the top-k [..., H] in
     dtype: one launch where the kernel applies (moe_combine), else the unsort gather and a float32 weighted sum."""

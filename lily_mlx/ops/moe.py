@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import gather_matmul, kernels, metal_source, quantized_matmul, register_kernel
+from . import gather_matmul, kernels, metal_source, quantized_matmul, reference, register_kernel
 
 MAX_M = 8  # tokens; beyond this the weights are re-read per token and MLX's gather_qmm wins
 MAX_K = 16
@@ -337,7 +337,7 @@ def down_combine_unfused(h, hs, inds, scores, gate_logit, down, shared_down, res
     """The ops SwitchGLU, SparseMoeBlock and the decoder layer's residual add run, in the same order."""
     q = {"group_size": group_size, "bits": bits}
     y = gather_matmul(mx.expand_dims(h, -2), down[0], inds, scales=down[1], biases=down[2], **q).squeeze(-2)  # [..., k, H]
-    y = (y * scores[..., None]).sum(axis=-2).astype(residual.dtype)
+    y = reference.weighted_top_k(y, scores, residual.dtype)
     y = y + mx.sigmoid(gate_logit) * quantized_matmul(hs, *shared_down, **q)
     return residual + y
 

@@ -103,12 +103,18 @@ def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, 
     return y.reshape(*x.shape[:-1], N)
 
 
-# The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes.
-def _instances() -> list[kernels.Instance]:
-    insts = [instance(t, mx.bfloat16, 16384, K, N, 256, 4, 64) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))]
-    insts += [instance(mx.bfloat16, mx.bfloat16, 70, 192, 160, 5, 4, 64), instance(mx.float16, mx.float32, 37, 128, 96, 3, 8, 32),
-              instance(mx.bfloat16, mx.float16, 9, 256, 136, 4, 4, 128)]
-    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_gemm", i.template, i.inputs,
+# The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes;
+# the staged variant's at each backend's stage count, the odd ones at 2, 4 and 1 stages.
+def _instances(staged: bool) -> list[kernels.Instance]:
+    bf16, f16 = mx.bfloat16, mx.float16
+    model_stages = sorted(set(STAGES.values())) if staged else [None]
+    insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))
+             for s in model_stages]
+    odd = ((bf16, bf16, 70, 192, 160, 5, 4, 64, 2), (f16, mx.float32, 37, 128, 96, 3, 8, 32, 4),
+           (bf16, f16, 9, 256, 136, 4, 4, 128, 1))
+    insts += [instance(*o[:-1], o[-1] if staged else None) for o in odd]
+    name = "moe_gemm_staged" if staged else "moe_gemm"
+    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name(name, i.template, i.inputs,
                                                                                       i.output_dtypes))
 
 
@@ -118,24 +124,15 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     template_params=SPEC_PARAMS,
     description="prefill experts: a grouped GEMM on rows sorted by expert, 4/8-bit weights dequantized in the tile, "
                 "tensor cores",
-    instances=_instances,
+    instances=lambda: _instances(staged=False),
 ))
-
-
-def _staged_instances() -> list[kernels.Instance]:
-    insts = [instance(t, mx.bfloat16, 16384, K, N, 256, 4, 64, s) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))
-             for s in sorted(set(STAGES.values()))]
-    insts += [instance(mx.bfloat16, mx.bfloat16, 70, 192, 160, 5, 4, 64, 2), instance(mx.float16, mx.float32, 37, 128, 96, 3, 8, 32, 4),
-              instance(mx.bfloat16, mx.float16, 9, 256, 136, 4, 4, 128, 1)]
-    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_gemm_staged", i.template,
-                                                                                      i.inputs, i.output_dtypes))
 
 
 STAGED_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_gemm_staged", body="moe_gemm.inc", input_names=SPEC.input_names, output_names=SPEC.output_names,
     template_params=SPEC_PARAMS + ("STAGES",),
     description="moe_gemm with each slice copied into shared-memory stages ahead of use (cp.async on CUDA)",
-    instances=_staged_instances, defines=("LILY_MOE_STAGED",),
+    instances=lambda: _instances(staged=True), defines=("LILY_MOE_STAGED",),
 ))
 
 

@@ -334,8 +334,13 @@ def moe_route(logits: mx.array, top_k: int, normalize: bool):
     return inds, scores
 
 
+def weighted_top_k(y: mx.array, scores: mx.array, dtype) -> mx.array:
+    """The top-k experts' outputs y [..., k, H] summed weighted by scores [..., k] -> [..., H] in dtype (the products
+    and the sum in float32 where scores are)."""
+    return (y * scores[..., None]).sum(axis=-2).astype(dtype)
+
+
 def moe_combine(y: mx.array, inv_order: mx.array, scores: mx.array, dtype) -> mx.array:
     """Expert output rows y [R, H] sorted by expert, inv_order [R] (the row of each flat (token, j)), scores [..., k]
-    -> sum_j scores[..., j] * y[inv_order[(token, j)]] [..., H] in dtype (the products and sum in float32)."""
-    y = mx.unflatten(y[inv_order], 0, scores.shape)  # [..., k, H]
-    return (y * scores[..., None]).sum(axis=-2).astype(dtype)
+    -> sum_j scores[..., j] * y[inv_order[(token, j)]] [..., H] in dtype."""
+    return weighted_top_k(mx.unflatten(y[inv_order], 0, scores.shape), scores, dtype)  # y unsorted: [..., k, H]
