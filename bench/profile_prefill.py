@@ -43,6 +43,16 @@ def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3
     return t, mx.get_peak_memory() / 1e9
 
 
+def peak_mb(fn) -> float:
+    """MB of memory fn()'s evaluation holds at its peak over what was in use before it (its temporaries and output)."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    out = fn()
+    mx.eval(out)
+    return (mx.get_peak_memory() - base) / 1e6
+
+
 def part_times(model, T: int) -> dict:
     """Each part alone on T tokens (no cache): milliseconds and the dense-equivalent TFLOP/s."""
     from lily_mlx import ops
@@ -76,11 +86,13 @@ def part_times(model, T: int) -> dict:
         "MoE block whole (router to combine)": (lambda: moe(xn), 2 * T * (E_act * 3 * H * I + 3 * H * Is)),
         "attention layer whole (no cache)": (lambda: a(h), 2 * T * H * (Hq * 3 * D + 2 * Hkv * D) + 2 * T * T * Hq * D),
         "attention o_proj": (lambda: a.o_proj(y_at), 2 * T * Hq * D * H),
+        "DeltaNet decoder layer whole (no cache)": (lambda: dn(h), 0),
+        "attention decoder layer whole (no cache)": (lambda: at(h, mask="causal"), 0),
     }
     out = {}
     for name, (fn, flops) in parts.items():
         t = wall_time(lambda: mx.eval(fn()), reps=5)
-        out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12}
+        out[name] = {"ms": 1e3 * t, "tflops": flops / t / 1e12, "peak_mb": peak_mb(fn)}
     experts = "routed experts (SwitchGLU, top-k)"
     mixer = "deltanet_mix (conv, gates, chunked recurrence, gated norm)"
     variants = [("moe_dequant_gemm", False, experts), ("dequant", not ops.enabled("dequant"), experts),
@@ -293,7 +305,8 @@ def main(argv=None) -> int:
             row["parts"] = part_times(model, T)
             print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)
             for name, p in row["parts"].items():
-                print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s", flush=True)
+                peak = f", peak +{p['peak_mb']:7.1f} MB" if "peak_mb" in p else ""
+                print(f"  {name:60} {p['ms']:8.2f} ms {p['tflops']:7.1f} TFLOP/s{peak}", flush=True)
             row["mixer_parts_ms"] = mixer_parts(model, T)
             print("  the DeltaNet mixer, part by part:", flush=True)
             for name, ms in row["mixer_parts_ms"].items():

@@ -330,6 +330,7 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert [b.get("headroom_gb", b.get("layers_ahead")) for b in row["bounded"]] == [0.5, 2, 1]
     assert all(b["prefill_s"] > 0 for b in row["bounded"])
     assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
+    assert row["parts"]["DeltaNet decoder layer whole (no cache)"]["peak_mb"] > 0  # its output at least
     assert prefill.main(["--model", model, "--tokens", "33", "--whole-only", "--no-bounded", "--flash-min-scores", "0",
                          "--moe-parts", "--json", str(tmp_path / "w.json")]) == 0
     (row,) = json.loads((tmp_path / "w.json").read_text())["rows"]

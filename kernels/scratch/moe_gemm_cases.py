@@ -1,0 +1,60 @@
+"""moe_gemm on the shapes the prefill gives it, for ncu and for timing body variants on the GPU machine:
+
+    ncu --clock-control none -k regex:moe_gemm --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        python3 kernels/scratch/moe_gemm_cases.py --cases gate512 --reps 3
+    python3 kernels/scratch/moe_gemm_cases.py            # median us of each case, default body vs staged
+
+Cases: the routed experts' gate and down projections at a 512- and a 2048-token prefill (top-8 of 256, random
+routing), and one expert as a dense projection (the DeltaNet in_proj_qkv at 2048 rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.kernels import wall_time  # noqa: E402
+from lily_mlx import ops  # noqa: E402
+
+CASES = {  # name: (rows, experts, N, K)
+    "gate512": (4096, 256, 512, 2048),
+    "down512": (4096, 256, 2048, 512),
+    "gate2048": (16384, 256, 512, 2048),
+    "down2048": (16384, 256, 2048, 512),
+    "dense2048": (2048, 1, 8192, 2048),
+}
+
+
+def case(rows: int, E: int, N: int, K: int):
+    w, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(1)) * K**-0.5, group_size=64, bits=4)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    idx = mx.sort(mx.random.randint(0, E, (rows,), key=mx.random.key(2))).astype(mx.uint32)
+    x = (mx.random.normal((rows, 1, K), key=mx.random.key(3)) * 0.5).astype(mx.bfloat16)
+    starts = ops.sorted_expert_starts(idx, E)
+    mx.eval(w, s, b, idx, x, starts)
+    return lambda: ops.gather_matmul(x, w, idx, scales=s, biases=b, group_size=64, bits=4, sorted_indices=True,
+                                     expert_starts=starts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", default=["default", "staged"], choices=["default", "staged"])
+    args = ap.parse_args()
+    for name in args.cases:
+        fn = case(*CASES[name])
+        rows, E, N, K = CASES[name]
+        for variant in args.variants:
+            with ops.switched("moe_gemm_staged", variant == "staged"):
+                us = 1e6 * wall_time(lambda: mx.eval(fn()), reps=args.reps)
+            print(f"{name:10} {variant:8} {us:9.1f} us  {2 * rows * N * K / us / 1e6:7.1f} TFLOP/s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
