@@ -287,7 +287,10 @@ def main(argv=None) -> int:
                   flush=True)
             return {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
 
-        row = {"tokens": T, **timed(f"{T} tokens, whole prefill"), "flipped": {}}
+        ops.declined.clear()
+        row = {"tokens": T, **timed(f"{T} tokens, whole prefill"), "flipped": {}, "declined": dict(ops.declined)}
+        if ops.declined:
+            print(f"  kernels that declined calls (calls): {ops.declined}", flush=True)
         for gb in [] if args.no_bounded else args.headroom:
             rec = timed(f"  run-ahead bounded ({gb:g} GB headroom)", headroom=int(gb * 2**30))
             row.setdefault("bounded", []).append({"headroom_gb": gb, **rec})

@@ -2,11 +2,13 @@
 layer holds its temporaries until the GPU runs it, so peak memory grows with how far the CPU runs ahead, not
 with the prompt. Two bounds, either or both:
 
-- layers (on by default for chunks of MIN_TOKENS tokens or more): the model dispatches each decoder layer and
-  then waits for the one `layers` back, so at most that many layers are queued ahead of the GPU, whose
-  temporaries alone are alive (TextModel.hidden). H200, 35B-A3B, bench/profile_prefill.py, 8192 tokens (run 9,
-  one process): one layer ahead 546 ms at weights + 3.99 GB, unbounded 712 ms at weights + 12.45 GB; two layers
-  547 ms (+5.86), four 551 ms (+8.28). $LILY_MLX_PREFILL_LAYERS (0: no bound).
+- layers (on by default for chunks of MIN_TOKENS tokens or more): the model dispatches each half of a decoder
+  layer (its mixer, then its MoE block) and then waits for the half 2 * layers - 1 back, so at most `layers`
+  layers are queued ahead of the GPU, whose temporaries alone are alive (TextModel.hidden). H200, 35B-A3B,
+  bench/profile_prefill.py, 8192 tokens (run 9, one process, whole layers then): one layer ahead 546 ms at
+  weights + 3.99 GB, unbounded 712 ms at weights + 12.45 GB; two layers 547 ms (+5.86), four 551 ms (+8.28).
+  Half-layer steps since: a DeltaNet mixer alone holds 1.0 GB at 2048 tokens, its whole layer 1.3 GB (run 14).
+  $LILY_MLX_PREFILL_LAYERS (0: no bound).
 - headroom (opt-in): MLX's evaluator waits for queued work while active memory is over its memory limit
   (mlx/transforms.cpp), so a limit a little above the memory in use when the prefill starts caps the run-ahead.
   The same run: 0.5 GB of headroom 1024 ms at weights + 2.83 GB, as the GPU idles while MLX waits.

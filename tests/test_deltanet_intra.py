@@ -154,6 +154,29 @@ def test_dispatch_runs_the_kernel_only_when_switched_on(monkeypatch):
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
 
 
+def test_the_mixer_hands_the_kernel_arguments_it_takes(monkeypatch):
+    """ops.deltanet_mix makes float32 q, k (l2-normalised) and a 16-bit v: they reach deltanet_intra in one dtype.
+    Until 2026-12-04 the mismatch made the kernel decline in every real prefill, silently (MLX ops instead: 3x the
+    time, 1 GB of temporaries a layer at 2048 tokens)."""
+    verdicts, real_try = [], ops._try
+
+    def spy(name, *args, **kwargs):
+        if name == "deltanet_intra":
+            verdicts.append(di.unsupported(*args, kwargs["chunk_size"]))
+        return real_try(name, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "_try", spy)
+    Hk, Hv, Dk, Dv, T, W = 2, 4, 16, 24, 70, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(3), 3)
+    proj = mx.random.normal((1, T, C + Hv * Dv + 2 * Hv), key=keys[0]).astype(BF16)
+    conv_w = (mx.random.normal((C, W, 1), key=keys[1]) * 0.3).astype(BF16)
+    A_log, dt_bias = mx.zeros((Hv,)), mx.random.normal((Hv,), key=keys[2])
+    ops.deltanet_mix(proj, conv_w, mx.zeros((1, W - 1, C), BF16), A_log, dt_bias, mx.ones((Dv,), BF16), None,
+                     num_key_heads=Hk, eps=1e-6)
+    assert verdicts == [None]
+
+
 def test_unsupported_arguments_are_declined():
     q, k, v, log_g, beta, _ = Case(1, 1, 2, 24, 40, 16, 40).inputs()
     assert di.unsupported(q, k, v, log_g, beta, 64) is None

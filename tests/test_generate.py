@@ -235,7 +235,8 @@ def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
 
 
 def test_bounded_prefill_layers_ahead(monkeypatch):
-    """layers=N: the prefill waits for the layer N back after dispatching each one (N + 1 layers per wait at most),
+    """layers=N: the prefill waits for the half layer 2N - 1 back after dispatching each half (a mixer or a MoE
+    block), so at most N layers are queued ahead,
     with the same logits as the unbounded prefill; a one-token step never waits; by default one layer ahead for
     chunks of memory.MIN_TOKENS or more; 0 is no bound; bad values name the variable."""
     from lily_mlx import memory
@@ -263,14 +264,14 @@ def test_bounded_prefill_layers_ahead(monkeypatch):
     assert n == 0 and memory.layers_ahead(10) is None  # 10 tokens: under the default's MIN_TOKENS
     for ahead in (1, 2):
         got, n, n_step = run(layers=ahead)
-        assert mx.array_equal(got, want).item() and n == n_layers - ahead and n_step == 0, (ahead, n, n_step)
+        assert mx.array_equal(got, want).item() and n == 2 * n_layers - (2 * ahead - 1) and n_step == 0, (ahead, n)
     monkeypatch.setattr(memory, "MIN_TOKENS", 10)  # the default bound now takes this prompt
-    assert run()[1] == n_layers - memory.DEFAULT_LAYERS
+    assert run()[1] == 2 * n_layers - (2 * memory.DEFAULT_LAYERS - 1)
     assert run(layers=0)[1] == 0
     monkeypatch.setenv(memory.LAYERS_ENV, "0")
     assert run()[1] == 0
     monkeypatch.setenv(memory.LAYERS_ENV, "2")
-    assert run()[1] == n_layers - 2
+    assert run()[1] == 2 * n_layers - 3
     for bad in ("two", "-1"):
         monkeypatch.setenv(memory.LAYERS_ENV, bad)
         with pytest.raises(ValueError, match=memory.LAYERS_ENV):

@@ -87,11 +87,19 @@ def register_switch(name: str, description: str, default_on: bool = True) -> Non
         _default_off.add(name)
 
 
+# Calls each switched-on kernel declined (its arguments outside what it takes) since the process started: a kernel
+# that declines in a real run is silently not measured (bench/profile_prefill.py prints these).
+declined: dict[str, int] = {}
+
+
 def _try(name: str, *args, **kwargs):
     fn = _kernels.get(name)
     if fn is None or not enabled(name) or backend() == "cpu":
         return None
-    return fn(*args, **kwargs)
+    out = fn(*args, **kwargs)
+    if out is None:
+        declined[name] = declined.get(name, 0) + 1
+    return out
 
 
 # Rows and weight elements from which a dense quantized projection runs as dequantize + a dense bf16 GEMM on
@@ -235,6 +243,8 @@ def chunk_intra(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 6
     """The intra-chunk part of the chunked gated delta rule (reference.chunk_intra's arguments and result):
     one launch for all chunks where the kernel applies."""
     log_g, beta = reference.masked_gates(log_g, beta, mask)
+    if not q.dtype == k.dtype == v.dtype:  # deltanet_mix: float32 q, k (l2-normalised), the conv's 16-bit v
+        q, k, v = (x.astype(mx.float32) for x in (q, k, v))  # the kernel takes one dtype; the reference is float32
     out = _try("deltanet_intra", q, k, v, log_g, beta, chunk_size=chunk_size)
     if out is None:
         return reference.chunk_intra(q, k, v, log_g, beta, state, None, chunk_size)
