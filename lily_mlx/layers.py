@@ -67,8 +67,8 @@ class SwitchLinear(nn.Module):
         scale = math.sqrt(1.0 / input_dims)
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
-    def __call__(self, x, indices, sorted_indices=False, expert_starts=None):
-        return ops.gather_matmul(x, self["weight"], indices, sorted_indices=sorted_indices)
+    def __call__(self, x, indices, sorted_indices=False, expert_starts=None, x_rows=None):
+        return ops.gather_matmul(x, self["weight"], indices, sorted_indices=sorted_indices, x_rows=x_rows)
 
     def to_quantized(self, group_size: Optional[int] = None, bits: Optional[int] = None, mode: str = "affine", **_):
         group_size, bits = group_size or 64, bits or 4
@@ -90,10 +90,11 @@ class QuantizedSwitchLinear(nn.Module):
             self.biases = mx.zeros((num_experts, output_dims, input_dims // group_size))
         self.freeze()
 
-    def __call__(self, x, indices, sorted_indices=False, expert_starts=None):
+    def __call__(self, x, indices, sorted_indices=False, expert_starts=None, x_rows=None):
         return ops.gather_matmul(
             x, self["weight"], indices, scales=self["scales"], biases=self["biases"],
             group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices, expert_starts=expert_starts,
+            x_rows=x_rows,
         )
 
 

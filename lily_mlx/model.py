@@ -181,16 +181,19 @@ class SwitchGLU(nn.Module):
         x = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, H]
         # Many tokens: sort by expert so each expert's rows are contiguous (as mlx-lm does).
         do_sort = indices.size >= 64
-        idx, inv_order, starts = indices, None, None
+        idx, inv_order, starts, x_rows = indices, None, None, None
         if do_sort:
             k = indices.shape[-1]
             flat = indices.flatten()
             order = mx.argsort(flat)
             inv_order = mx.argsort(order)
-            x, idx = x.flatten(0, -3)[order // k], flat[order]
+            idx = flat[order]
             starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
+            x, x_rows = x.flatten(0, -3), order // k  # [T, 1, H]: moe_gemm reads the rows in place
+            if starts is None:  # no moe_gemm: gather them once for both projections
+                x, x_rows = x[x_rows], None
         kw = dict(sorted_indices=do_sort, expert_starts=starts)
-        h = nn.silu(self.gate_proj(x, idx, **kw)) * self.up_proj(x, idx, **kw)
+        h = nn.silu(self.gate_proj(x, idx, x_rows=x_rows, **kw)) * self.up_proj(x, idx, x_rows=x_rows, **kw)
         return self.down_proj(h, idx, **kw), inv_order
 
 

@@ -35,6 +35,14 @@ def _case(counts, K, N, bits, group, xdt, sdt, seed):
     return x, q, s.astype(sdt), b.astype(sdt), idx
 
 
+def _tokens(x, seed):
+    """(tokens, x_rows): x's rows as the gather variant reads them, from fewer unsorted tokens, several rows a token."""
+    T = x.shape[0] // 2 + 1
+    x_rows = mx.array(np.random.default_rng(seed).integers(0, T, x.shape[0]).astype(np.int32))
+    tokens = mx.random.normal((T, 1, x.shape[-1]), key=mx.random.key(seed)).astype(x.dtype)
+    return tokens, x_rows
+
+
 def _oracle(x, q, s, b, idx, group, bits):
     with mx.stream(mx.cpu):
         return reference.gather_matmul_oracle(x.astype(F32), q, idx, scales=s.astype(F32), biases=b.astype(F32),
@@ -61,16 +69,19 @@ def test_expert_starts_are_prefix_sums():
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_metal_emulated_matches_oracle(tmp_path):
     """The default body, and the staged variant at Metal's one stage and at the rings CUDA can run (2 and 4 stages:
-    the copies' slots and wait counts)."""
+    the copies' slots and wait counts); each also reading its rows from unsorted tokens through x_rows (gather)."""
     emu, wants = Emulator(tmp_path), []
     variants = [(mg.SPEC, None)] * len(CASES) + [(mg.STAGED_SPEC, (1, 2, 4)[i % 3]) for i in range(len(CASES))]
-    for i, (spec, stages) in enumerate(variants):
-        counts, K, N, bits, group, xdt, sdt = CASES[i % len(CASES)]
-        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i % len(CASES))
+    for i, ((spec, stages), gather) in enumerate((v, g) for v in variants for g in (False, True)):
+        counts, K, N, bits, group, xdt, sdt = CASES[(i // 2) % len(CASES)]
+        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, (i // 2) % len(CASES))
         E, rows = len(counts), sum(counts)
         row_starts, tile_starts = mg.expert_starts(idx, E)
-        emu.add(spec, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages),
-                [x.reshape(rows, K), tile_starts, row_starts, q, s, b],
+        x_in, x_rows = (x, row_starts) if not gather else _tokens(x, i)
+        if gather:
+            x = x_in[x_rows]
+        emu.add(spec, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages, gather),
+                [x_in.reshape(-1, K), tile_starts, row_starts, q, s, b, x_rows],
                 (mg.blocks(rows, N, E) * mg.THREADS, 1, 1), (mg.THREADS, 1, 1), [(rows, N)])
         wants.append((_oracle(x, q, s, b, idx, group, bits).reshape(rows, N), xdt))
     for (want, xdt), (got,) in zip(wants, emu.run()):
@@ -125,6 +136,10 @@ def test_unsupported_arguments_are_declined():
     assert "multiple of 64" in why(x=x[..., :96], w=q[..., :12], scales=s[..., :1], biases=b[..., :1])
     assert "do not match" in why(biases=None)
     assert "one int32/uint32 expert id per row" in why(indices=idx[:4])
+    tokens, x_rows = _tokens(x, 1)
+    assert mg.unsupported(tokens, q, idx, s, b, 64, 4, x_rows=x_rows) is None
+    assert "one int32/uint32 expert id per row" in mg.unsupported(tokens, q, idx, s, b, 64, 4, x_rows=x_rows[:3])
+    assert "x_rows" in mg.unsupported(tokens, q, idx, s, b, 64, 4, x_rows=x_rows.astype(F32))
     x8, q8, s8, b8, idx8 = _case((3, 0, 5), 64, 32, 8, 64, BF16, BF16, 7)
     assert "32768 bytes of threadgroup memory" in mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "metal")
     assert mg.unsupported(x8, q8, idx8, s8, b8, 64, 8, "cuda") is None and mg.unsupported(x8, q8, idx8, s8, b8, 64, 8) is None
@@ -142,6 +157,10 @@ def _gpu(backend):
                 assert got is None  # the staged tile past Metal's 32 KB: 8-bit, group 32 with float32 scales
                 continue
             _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
+            tokens, x_rows = _tokens(x, i)  # the same rows read from unsorted tokens through x_rows
+            got = mg.gather_matmul(tokens, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                                   init_value=float("nan"), stages=stages, x_rows=x_rows)
+            _check(got, _oracle(tokens[x_rows], q, s, b, idx, group, bits), xdt)
     # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
     # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather.
     E, rows = 256, 16384

@@ -194,14 +194,17 @@ def sorted_expert_starts(indices, experts: int) -> Optional[tuple[mx.array, mx.a
 
 
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False,
-                  expert_starts=None):
+                  expert_starts=None, x_rows=None):
     """x [..., 1|k, 1, K], experts w [E, N, K(packed)], indices [..., k] -> [..., k, 1, N]. expert_starts: from
-    sorted_expert_starts(indices, E), where the caller has it."""
+    sorted_expert_starts(indices, E), where the caller has it. x_rows [R]: the rows are x[x_rows] (x [T, 1, K]),
+    which moe_gemm reads in place and every other path gathers first."""
     if scales is not None and sorted_indices and indices.size >= MOE_GEMM_MIN_ROWS:
         out = _try("moe_gemm", x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits,
-                   starts=expert_starts)
+                   starts=expert_starts, x_rows=x_rows)
         if out is not None:
             return out
+    if x_rows is not None:
+        x = x[x_rows]
     if (scales is not None and sorted_indices and indices.size >= DEQUANT_GEMM_MIN_ROWS and backend() == "cuda"
             and enabled("moe_dequant_gemm")):
         return gather_matmul_dequantized(x, w, indices, scales=scales, biases=biases, group_size=group_size, bits=bits)

@@ -21,7 +21,7 @@ from . import kernels, metal_source, register_kernel, register_switch
 BM, BN, BK, LD = 64, 128, 64, 72  # the body's tile: rows, output columns, reduction slice, padded row
 THREADS = 256
 ACTIVATIONS = (mx.bfloat16, mx.float16)
-SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E")
+SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E", "GATHER")
 # moe_gemm_staged (opt-in): shared-memory stages a block cycles through, STAGES - 1 slices of loads in flight. Its
 # gate projection at 2048 tokens, H200: 416.5 us at 2 stages, 497.1 at 3, 544.3 at 4 (run 12), against 486-489 us
 # for the default body in runs 11 and 13; not yet compared in one process. Metal's 32 KB hold one stage.
@@ -46,7 +46,8 @@ def expert_starts(indices: mx.array, experts: int) -> tuple[mx.array, mx.array]:
     return row_starts, tile_starts
 
 
-def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stages_on: Optional[str] = None) -> Optional[str]:
+def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stages_on: Optional[str] = None,
+                x_rows: Optional[mx.array] = None) -> Optional[str]:
     """Why the kernel does not apply (None when it does); stages_on: the backend of the staged variant."""
     if x.dtype not in ACTIVATIONS:
         return f"activations {x.dtype}: the tensor-core GEMM takes bfloat16 or float16"
@@ -58,10 +59,12 @@ def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stage
     if biases is None or scales.shape != (E, N, K // group_size) or biases.shape != scales.shape \
             or biases.dtype != scales.dtype or scales.dtype not in (mx.float32, mx.bfloat16, mx.float16):
         return f"scales/biases {scales.shape} do not match w {w.shape} at group {group_size}"
-    rows = x.size // K
+    rows = x.size // K if x_rows is None else x_rows.size
     if indices.size != rows or indices.dtype not in (mx.int32, mx.uint32):
-        return f"indices {indices.dtype} {indices.shape}: one int32/uint32 expert id per row of x ({rows})"
-    if rows * max(K, N) >= 2**31:
+        return f"indices {indices.dtype} {indices.shape}: one int32/uint32 expert id per row ({rows})"
+    if x_rows is not None and (x_rows.dtype not in (mx.int32, mx.uint32) or x_rows.ndim != 1):
+        return f"x_rows {x_rows.dtype} {x_rows.shape}: one int32/uint32 row of x per sorted row expected"
+    if max(rows, x.size // K) * max(K, N) >= 2**31:
         return "int32 indexing: rows x width over 2^31"
     if stages_on == "metal" and shared_bytes(STAGES["metal"], bits, group_size, scales.dtype) > METAL_SHARED_LIMIT:
         return (f"bits={bits}, group_size={group_size}, scales {scales.dtype}: the staged tile needs more than Metal's "
@@ -70,12 +73,13 @@ def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stage
 
 
 def instance(x_dtype, scale_dtype, rows: int, K: int, N: int, E: int, bits: int, group_size: int,
-             stages: Optional[int] = None) -> kernels.Instance:
-    """One call's instance; with `stages`, of the staged variant."""
+             stages: Optional[int] = None, gather: bool = False) -> kernels.Instance:
+    """One call's instance; with `stages`, of the staged variant; `gather`: rows read through x_rows."""
     template = (("T", x_dtype), ("TS", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", K), ("N", N),
-                ("E", E)) + ((("STAGES", stages),) if stages else ())
+                ("E", E), ("GATHER", int(gather))) + ((("STAGES", stages),) if stages else ())
     inputs = ((x_dtype, (rows, K)), (mx.int32, (E + 1,)), (mx.int32, (E + 1,)), (mx.uint32, (E, N, K * bits // 32)),
-              (scale_dtype, (E, N, K // group_size)), (scale_dtype, (E, N, K // group_size)))
+              (scale_dtype, (E, N, K // group_size)), (scale_dtype, (E, N, K // group_size)),
+              (mx.int32, (rows if gather else E + 1,)))
     return kernels.Instance(template, inputs, (x_dtype,))
 
 
@@ -86,21 +90,23 @@ def blocks(rows: int, N: int, E: int) -> int:
 
 def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, backend: str,
                   starts: Optional[tuple[mx.array, mx.array]] = None, init_value: Optional[float] = None,
-                  stages: Optional[int] = None):
+                  stages: Optional[int] = None, x_rows: Optional[mx.array] = None):
     """x [..., 1, K] rows sorted by expert, w [E, N, K*bits/32], indices [...] (sorted) -> [..., 1, N] in x's
     dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E) if already computed;
-    `stages`: run the staged variant with that many stages."""
-    if unsupported(x, w, indices, scales, biases, group_size, bits, backend if stages else None) is not None:
+    `stages`: run the staged variant with that many stages; `x_rows` [R]: sorted row r is x row x_rows[r]
+    (x [T, 1, K] unsorted, the result [R, 1, N]), read in place of a gather."""
+    if unsupported(x, w, indices, scales, biases, group_size, bits, backend if stages else None, x_rows) is not None:
         return None
     E, N, K = w.shape[0], w.shape[1], x.shape[-1]
-    rows = x.size // K
+    rows = x.size // K if x_rows is None else x_rows.size
     row_starts, tile_starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
-    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages)
+    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages, gather=x_rows is not None)
     smem = shared_bytes(stages, bits, group_size, scales.dtype) if stages else 0
+    x_rows_in = row_starts if x_rows is None else x_rows.astype(mx.int32)  # unread without GATHER
     y = kernels.call(STAGED_SPEC.name if stages else SPEC.name, backend,
-                     [x.reshape(rows, K), tile_starts, row_starts, w, scales, biases], list(inst.template),
+                     [x.reshape(-1, K), tile_starts, row_starts, w, scales, biases, x_rows_in], list(inst.template),
                      (blocks(rows, N, E) * THREADS, 1, 1), (THREADS, 1, 1), [(rows, N)], [x.dtype], init_value, smem)[0]
-    return y.reshape(*x.shape[:-1], N)
+    return y.reshape(*x.shape[:-1], N) if x_rows is None else y.reshape(rows, *x.shape[1:-1], N)
 
 
 # The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes;
@@ -108,11 +114,12 @@ def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, 
 def _instances(staged: bool) -> list[kernels.Instance]:
     bf16, f16 = mx.bfloat16, mx.float16
     model_stages = sorted(set(STAGES.values())) if staged else [None]
-    insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s) for t in ACTIVATIONS for K, N in ((2048, 512), (512, 2048))
-             for s in model_stages]
+    # gate and up read the tokens through x_rows (SwitchGLU), down its sorted rows; bench.kernels gate without.
+    insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s, gather) for t in ACTIVATIONS
+             for K, N, gather in ((2048, 512, True), (2048, 512, False), (512, 2048, False)) for s in model_stages]
     odd = ((bf16, bf16, 70, 192, 160, 5, 4, 64, 2), (f16, mx.float32, 37, 128, 96, 3, 8, 32, 4),
            (bf16, f16, 9, 256, 136, 4, 4, 128, 1))
-    insts += [instance(*o[:-1], o[-1] if staged else None) for o in odd]
+    insts += [instance(*o[:-1], o[-1] if staged else None, gather) for o in odd for gather in (False, True)]
     name = "moe_gemm_staged" if staged else "moe_gemm"
     return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name(name, i.template, i.inputs,
                                                                                       i.output_dtypes))
@@ -120,7 +127,7 @@ def _instances(staged: bool) -> list[kernels.Instance]:
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_gemm", body="moe_gemm.inc",
-    input_names=("x", "tile_starts", "row_starts", "w", "scales", "biases"), output_names=("y",),
+    input_names=("x", "tile_starts", "row_starts", "w", "scales", "biases", "x_rows"), output_names=("y",),
     template_params=SPEC_PARAMS,
     description="prefill experts: a grouped GEMM on rows sorted by expert, 4/8-bit weights dequantized in the tile, "
                 "tensor cores",
