@@ -7,7 +7,8 @@ with the prompt. Two bounds, either or both:
   layers are queued ahead of the GPU, whose temporaries alone are alive (TextModel.hidden). H200, 35B-A3B,
   bench/profile_prefill.py, 8192 tokens (run 9, one process, whole layers then): one layer ahead 546 ms at
   weights + 3.99 GB, unbounded 712 ms at weights + 12.45 GB; two layers 547 ms (+5.86), four 551 ms (+8.28).
-  Half-layer steps since: a DeltaNet mixer alone holds 1.0 GB at 2048 tokens, its whole layer 1.3 GB (run 14).
+  Half-layer steps since the seventh session, when a DeltaNet mixer held 1.0 GB at 2048 tokens (run 14; 0.5 GB
+  once deltanet_intra ran again): 8192 tokens at weights + 2.34 GB, 16,384 at + 2.34 (run 16; + 3.94 in run 14).
   $LILY_MLX_PREFILL_LAYERS (0: no bound).
 - headroom (opt-in): MLX's evaluator waits for queued work while active memory is over its memory limit
   (mlx/transforms.cpp), so a limit a little above the memory in use when the prefill starts caps the run-ahead.
