@@ -190,7 +190,7 @@ class SwitchGLU(nn.Module):
             idx = flat[order]
             starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
             x, x_rows = x.flatten(0, -3), order // k  # [T, 1, H]: moe_gemm reads the rows in place
-            if starts is None:  # no moe_gemm: gather them once for both projections
+            if starts is None or not ops.enabled("moe_gemm_gather"):  # gather them once for both projections
                 x, x_rows = x[x_rows], None
         kw = dict(sorted_indices=do_sort, expert_starts=starts)
         h = nn.silu(self.gate_proj(x, idx, x_rows=x_rows, **kw)) * self.up_proj(x, idx, x_rows=x_rows, **kw)

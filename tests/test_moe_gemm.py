@@ -113,6 +113,31 @@ def test_dispatch_from_its_row_threshold_on_gpus_only(monkeypatch):
     assert [a.tolist() for a in starts] == [[0, 3, 3, 8], [0, 1, 1, 2]]
 
 
+def test_gather_switch_hands_moe_gemm_the_sort_order(monkeypatch):
+    """SwitchGLU with moe_gemm_gather: gate and up get the unsorted tokens and x_rows (down its sorted rows), and the
+    logits equal the gathered path's; off, every call gets gathered rows. moe_gemm faked by MLX's gather on CPU."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    def fake(x, w, indices, *, x_rows=None, starts=None, **q):
+        seen.append(x_rows is not None)
+        return reference.gather_matmul(x if x_rows is None else x[x_rows], w, indices, sorted_indices=True, **q)
+
+    monkeypatch.setattr(ops, "_kernels", {"moe_gemm": fake})  # no other kernel: their MLX paths run on CPU
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
+    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 300)))  # 600 sorted rows: moe_gemm's
+    logits, calls = {}, {}
+    for on in (False, True):
+        seen = []
+        with ops.switched("moe_gemm_gather", on):
+            logits[on] = model(toks, cache=model.make_cache())
+        calls[on] = seen
+    n = len(model.language_model.model.layers)
+    assert calls[False] == [False] * 3 * n and calls[True] == [True, True, False] * n
+    assert mx.allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5).item()
+
+
 def test_staged_variant_is_opt_in(monkeypatch):
     x, q, s, b, idx = _case((40, 30), 64, 32, 4, 64, BF16, BF16, 9)
     picked = []
@@ -147,22 +172,29 @@ def test_unsupported_arguments_are_declined():
     assert mg.gather_matmul(x.astype(F32), q, idx, scales=s, biases=b, group_size=64, bits=4, backend="cuda") is None
 
 
-def _gpu(backend):
-    for i, (counts, K, N, bits, group, xdt, sdt) in enumerate(CASES):
-        x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
-        for stages in (None, 1, 2, 3, 4) if backend == "cuda" else (None, mg.STAGES[backend]):
-            got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
-                                   init_value=float("nan"), stages=stages)
-            if mg.unsupported(x, q, idx, s, b, group, bits, backend if stages else None) is not None:
-                assert got is None  # the staged tile past Metal's 32 KB: 8-bit, group 32 with float32 scales
-                continue
-            _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
-            tokens, x_rows = _tokens(x, i)  # the same rows read from unsorted tokens through x_rows
+def _gpu_case(backend, i):
+    """CASES[i] at every stage count, then read from unsorted tokens through x_rows (default body, backend's stages)."""
+    counts, K, N, bits, group, xdt, sdt = CASES[i]
+    x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, i)
+    for stages in (None, 1, 2, 3, 4) if backend == "cuda" else (None, mg.STAGES[backend]):
+        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                               init_value=float("nan"), stages=stages)
+        if mg.unsupported(x, q, idx, s, b, group, bits, backend if stages else None) is not None:
+            assert got is None  # the staged tile past Metal's 32 KB: 8-bit, group 32 with float32 scales
+            continue
+        _check(got, _oracle(x, q, s, b, idx, group, bits), xdt)
+    tokens, x_rows = _tokens(x, i)
+    for stages in (None, mg.STAGES[backend]):
+        if mg.unsupported(x, q, idx, s, b, group, bits, backend if stages else None) is None:
             got = mg.gather_matmul(tokens, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
                                    init_value=float("nan"), stages=stages, x_rows=x_rows)
             _check(got, _oracle(tokens[x_rows], q, s, b, idx, group, bits), xdt)
+
+
+def _gpu_model_shapes(backend):
     # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
-    # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather.
+    # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather; gate/up
+    # also read from the 2048 tokens through x_rows, as SwitchGLU hands them.
     E, rows = 256, 16384
     rng = np.random.default_rng(3)
     idx = mx.array(np.sort(np.concatenate([np.full(1000, 7), rng.integers(0, E - 3, rows - 1000)])).astype(np.uint32))
@@ -174,16 +206,66 @@ def _gpu(backend):
                                init_value=float("nan"))
         want = reference.gather_matmul(x, q, idx, scales=s, biases=b, group_size=64, bits=4, sorted_indices=True)
         _check(got, want, BF16)
+        if K == 2048:
+            x_rows = mx.array(rng.integers(0, rows // 8, rows).astype(np.int32))
+            tokens = x[: rows // 8]
+            got = mg.gather_matmul(tokens, q, idx, scales=s, biases=b, group_size=64, bits=4, backend=backend,
+                                   init_value=float("nan"), x_rows=x_rows)
+            _check(got, reference.gather_matmul(tokens[x_rows], q, idx, scales=s, biases=b, group_size=64, bits=4,
+                                                sorted_indices=True), BF16)
 
 
 @pytest.mark.cuda
-def test_moe_gemm_cuda():
-    _gpu("cuda")
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_moe_gemm_cuda(i):
+    _gpu_case("cuda", i)
 
 
 @pytest.mark.metal
-def test_moe_gemm_metal():
-    _gpu("metal")
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_moe_gemm_metal(i):
+    _gpu_case("metal", i)
+
+
+@pytest.mark.cuda
+def test_moe_gemm_model_shapes_cuda():
+    _gpu_model_shapes("cuda")
+
+
+@pytest.mark.metal
+def test_moe_gemm_model_shapes_metal():
+    _gpu_model_shapes("metal")
+
+
+def _model_prefill_gather_on_vs_off():
+    """The embedded 4-bit model's prefill with moe_gemm_gather on vs off: the same rows read in place of gathered, so
+    the same logits, and moe_gemm given x_rows only when on."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=BF16)
+    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 300)))
+    seen, real, logits = [], ops._kernels["moe_gemm"], {}
+    for on in (False, True):
+        with ops.switched("moe_gemm_gather", on):
+            ops._kernels["moe_gemm"] = lambda *a, **k: seen.append((on, k.get("x_rows") is not None)) or real(*a, **k)
+            try:
+                logits[on] = model(toks, cache=model.make_cache()).astype(F32)
+            finally:
+                ops._kernels["moe_gemm"] = real
+    assert {(False, False), (True, True), (True, False)} == set(seen)  # gate/up gathered in place, down not
+    err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+    assert err < 1e-6, f"prefill logits with moe_gemm_gather: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_gemm_gather_cuda():
+    _model_prefill_gather_on_vs_off()
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_gemm_gather_metal():
+    _model_prefill_gather_on_vs_off()
 
 
 def _model_prefill_on_vs_off():
