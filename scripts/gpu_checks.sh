@@ -54,13 +54,13 @@ wait
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
-# The defaults end to end by length, each also with the opt-in moe_gemm_staged (its kernel row was 15% faster than
-# the default body's across runs, never in one process), the MoE block part by part (the x gather is the next to
-# fold), and the routed experts' paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load);
-# the report is rewritten after every length.
-step 60 300 "prefill by length, defaults vs moe_gemm_staged; MoE parts; sweep" python3 -m bench.profile_prefill \
-  --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only --headroom ${PREFILL_VARIANTS---ab-switch moe_gemm_staged \
-  --moe-parts --sweep} --json "$res/prefill_defaults.json"
+# The defaults end to end by length, each also with the opt-in moe_gemm_gather (x rows read through the sort order;
+# 13-17% faster in run 17, its cuda tests in the first step) and moe_gemm_staged, the MoE block part by part, and
+# the routed experts' paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load); the report
+# is rewritten after every length.
+step 60 300 "prefill by length, defaults vs moe_gemm_gather and _staged; MoE blocks; sweep" python3 -m bench.profile_prefill \
+  --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only --headroom ${PREFILL_VARIANTS---ab-switch \
+  moe_gemm_gather moe_gemm_staged --moe-parts --sweep} --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512 2048 -g 64 -n 3} --arms stock,lily \
@@ -69,7 +69,7 @@ step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512
 # stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
 python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
 for dt in bfloat16 float32; do
-  step 60 90 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
+  step 60 150 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
     --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
 done
 # Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
