@@ -246,9 +246,10 @@ def chunk_intra(q, k, v, log_g, beta, state=None, mask=None, chunk_size: int = 6
     """The intra-chunk part of the chunked gated delta rule (reference.chunk_intra's arguments and result):
     one launch for all chunks where the kernel applies."""
     log_g, beta = reference.masked_gates(log_g, beta, mask)
+    qkv = (q, k, v)
     if not q.dtype == k.dtype == v.dtype:  # deltanet_mix: float32 q, k (l2-normalised), the conv's 16-bit v
-        q, k, v = (x.astype(mx.float32) for x in (q, k, v))  # the kernel takes one dtype; the reference is float32
-    out = _try("deltanet_intra", q, k, v, log_g, beta, chunk_size=chunk_size)
+        qkv = tuple(x.astype(mx.float32) for x in qkv)  # the kernel takes one dtype; the reference is float32
+    out = _try("deltanet_intra", *qkv, log_g, beta, chunk_size=chunk_size)
     if out is None:
         return reference.chunk_intra(q, k, v, log_g, beta, state, None, chunk_size)
     if state is None:

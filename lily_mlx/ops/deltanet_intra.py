@@ -125,5 +125,5 @@ def _dispatch(*args, **kwargs):
 
 # On: its cuda tests pass on the H200, where a whole prefill took 75.2 vs 78.5 ms at 512 tokens and 150.0 vs 154.0 ms
 # at 2048 with it (2026-12-03, run 9, one process); 113.8 vs 126.9 ms at 2048 and 447.0 vs 509.2 at 8192 (2026-12-04,
-# run 16, after float32 q, k beside a 16-bit v had made it decline in every prefill; off now takes float32 v too).
+# run 16, after float32 q, k beside a 16-bit v had made it decline in every prefill; off then took float32 v too).
 register_kernel("deltanet_intra", SPEC.description, _dispatch)
