@@ -148,9 +148,10 @@ def test_dispatch_runs_the_kernel_only_when_switched_on(monkeypatch):
     with ops.switched("deltanet_intra", False):
         ops.chunk_intra(q, k, v, log_g, beta, state, chunk_size=16)
     assert calls == []
+    before = ops.declined.get("deltanet_intra", 0)
     with ops.switched("deltanet_intra", True):
         got = ops.chunk_intra(q, k, v, log_g, beta, state, chunk_size=16)  # the kernel declines: the reference
-    assert calls == [{"chunk_size": 16}]
+    assert calls == [{"chunk_size": 16}] and ops.declined["deltanet_intra"] == before + 1  # and the decline counted
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
 
 
