@@ -108,14 +108,17 @@ def test_embedding_lookup_is_the_quantized_embedding_and_dispatches(monkeypatch)
     assert mx.array_equal(embedded(emb, ids), emb(ids)).item()  # on the CPU: the same ops as mlx.nn's
     plain = nn.Embedding(50, 64)
     assert mx.array_equal(embedded(plain, ids), plain(ids)).item()
-    called = []
-    monkeypatch.setitem(ops._kernels, "dequant_rows", lambda *a, **k: called.append(k) or emb(a[0]))
+    called, id_dtypes = [], []
+    monkeypatch.setitem(ops._kernels, "dequant_rows",
+                        lambda *a, **k: called.append(k) or id_dtypes.append(a[0].dtype) or emb(a[0]))
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     with ops.switched("dequant_rows", False):
         embedded(emb, ids)
     assert not called
     embedded(emb, ids)  # on by default
     assert called == [{"group_size": 32, "bits": 4}]
+    embedded(emb, ids.astype(mx.int64))  # numpy's int64 ids reach the kernel as int32
+    assert len(called) == 2 and id_dtypes == [mx.int32, mx.int32]
     assert dq.embedding_rows(ids.astype(mx.int64), emb["weight"], emb["scales"], emb["biases"], group_size=32, bits=4,
                              backend="cuda") is None  # ids of another dtype: declined
 

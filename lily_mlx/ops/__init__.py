@@ -122,7 +122,8 @@ def dequantize(w, scales, biases, *, group_size: int, bits: int, dtype) -> mx.ar
 def embedding_lookup(ids, w, scales, biases, *, group_size: int, bits: int) -> mx.array:
     """Rows ids [...] of an affine-quantized table w [V, K*bits/32] (scales/biases [V, K/group]), dequantized:
     [..., K] in the scales' dtype, as mlx.nn.QuantizedEmbedding returns them. One launch where it applies."""
-    out = _try("dequant_rows", ids, w, scales, biases, group_size=group_size, bits=bits)
+    kernel_ids = ids.astype(mx.int32) if ids.dtype == mx.int64 else ids  # numpy's ids (row numbers < 2^31 anyway)
+    out = _try("dequant_rows", kernel_ids, w, scales, biases, group_size=group_size, bits=bits)
     if out is not None:
         return out
     return mx.dequantize(w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits)
