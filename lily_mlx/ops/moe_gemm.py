@@ -24,7 +24,8 @@ ACTIVATIONS = (mx.bfloat16, mx.float16)
 SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E", "GATHER")
 # moe_gemm_staged (opt-in): shared-memory stages a block cycles through, STAGES - 1 slices of loads in flight. Its
 # gate projection at 2048 tokens, H200: 416.5 us at 2 stages, 497.1 at 3, 544.3 at 4 (run 12), against 486-489 us
-# for the default body in runs 11 and 13; not yet compared in one process. Metal's 32 KB hold one stage.
+# for the default body in runs 11 and 13; whole prefills in one process no faster (run 14: 75.3 vs 71.6 ms at 512
+# tokens, 113.1 vs 112.2 at 2048). Metal's 32 KB hold one stage.
 STAGES = {"cuda": 2, "metal": 1}
 METAL_SHARED_LIMIT = 32768
 
