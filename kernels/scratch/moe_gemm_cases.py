@@ -2,10 +2,11 @@
 
     ncu --clock-control none -k regex:moe_gemm --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         python3 kernels/scratch/moe_gemm_cases.py --cases gate512 --reps 3
-    python3 kernels/scratch/moe_gemm_cases.py            # median us of each case, default body vs staged
+    python3 kernels/scratch/moe_gemm_cases.py            # median us of each case: default body, staged, gather
 
 Cases: the routed experts' gate and down projections at a 512- and a 2048-token prefill (top-8 of 256, random
-routing), and one expert as a dense projection (the DeltaNet in_proj_qkv at 2048 rows).
+routing), and one expert as a dense projection (the DeltaNet in_proj_qkv at 2048 rows). The gather variant reads
+the rows from the unsorted tokens through the sort order (moe_gemm_gather), as the gate and up projections can.
 """
 
 from __future__ import annotations
@@ -29,27 +30,34 @@ CASES = {  # name: (rows, experts, N, K)
 }
 
 
-def case(rows: int, E: int, N: int, K: int):
+def case(rows: int, E: int, N: int, K: int, gather: bool = False):
     w, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(1)) * K**-0.5, group_size=64, bits=4)
     s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
-    idx = mx.sort(mx.random.randint(0, E, (rows,), key=mx.random.key(2))).astype(mx.uint32)
+    experts = mx.random.randint(0, E, (rows,), key=mx.random.key(2))
+    order = mx.argsort(experts)
+    idx = experts[order].astype(mx.uint32)
     x = (mx.random.normal((rows, 1, K), key=mx.random.key(3)) * 0.5).astype(mx.bfloat16)
+    x_rows = (order // 8).astype(mx.int32) if gather else None  # top-8: rows / 8 tokens
+    x = x[: rows // 8] if gather else x
     starts = ops.sorted_expert_starts(idx, E)
-    mx.eval(w, s, b, idx, x, starts)
+    mx.eval(w, s, b, idx, x, starts, *([x_rows] if gather else []))
     return lambda: ops.gather_matmul(x, w, idx, scales=s, biases=b, group_size=64, bits=4, sorted_indices=True,
-                                     expert_starts=starts)
+                                     expert_starts=starts, x_rows=x_rows)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=["default", "staged"], choices=["default", "staged"])
+    ap.add_argument("--variants", nargs="+", default=["default", "staged", "gather"],
+                    choices=["default", "staged", "gather"])
     args = ap.parse_args()
     for name in args.cases:
-        fn = case(*CASES[name])
         rows, E, N, K = CASES[name]
         for variant in args.variants:
+            if variant == "gather" and E == 1:
+                continue  # a dense projection has no sort order to read through
+            fn = case(*CASES[name], gather=variant == "gather")
             with ops.switched("moe_gemm_staged", variant == "staged"):
                 us = 1e6 * wall_time(lambda: mx.eval(fn()), reps=args.reps)
             print(f"{name:10} {variant:8} {us:9.1f} us  {2 * rows * N * K / us / 1e6:7.1f} TFLOP/s", flush=True)
