@@ -189,7 +189,7 @@ class SwitchGLU(nn.Module):
             inv_order = mx.argsort(order)
             idx = flat[order]
             starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
-            x, x_rows = x.flatten(0, -3), order // k  # [T, 1, H]: moe_gemm reads the rows in place
+            x, x_rows = x.flatten(0, -3), (order // k).astype(mx.int32)  # [T, 1, H]: moe_gemm reads them in place
             if starts is None or not ops.enabled("moe_gemm_gather"):  # gather them once for both projections
                 x, x_rows = x[x_rows], None
         kw = dict(sorted_indices=do_sort, expert_starts=starts)

@@ -240,21 +240,10 @@ def test_moe_gemm_model_shapes_metal():
 def _model_prefill_gather_on_vs_off():
     """The embedded 4-bit model's prefill with moe_gemm_gather on vs off: the same rows read in place of gathered, so
     the same logits, and moe_gemm given x_rows only when on."""
-    import lily_mlx
-    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
-
-    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=BF16)
-    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 300)))
-    seen, real, logits = [], ops._kernels["moe_gemm"], {}
-    for on in (False, True):
-        with ops.switched("moe_gemm_gather", on):
-            ops._kernels["moe_gemm"] = lambda *a, **k: seen.append((on, k.get("x_rows") is not None)) or real(*a, **k)
-            try:
-                logits[on] = model(toks, cache=model.make_cache()).astype(F32)
-            finally:
-                ops._kernels["moe_gemm"] = real
-    assert {(False, False), (True, True), (True, False)} == set(seen)  # gate/up gathered in place, down not
-    err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+    calls = []
+    err = prefill_rel_err("moe_gemm_gather", kernel="moe_gemm", calls=calls)
+    seen = {(on, k.get("x_rows") is not None) for on, k in calls}
+    assert {(False, False), (True, True), (True, False)} == seen  # gate/up gathered in place, down not
     assert err < 1e-6, f"prefill logits with moe_gemm_gather: rel err {err:.2e}"
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: where moe_gemm's time goes (ncu's stall reasons, pipes, occupancy) on the prefill's shapes,
-# then each case timed, default body vs staged. Reports to ${1:-ncu-out}/.
+# then each case timed: default body, staged, gather. Reports to ${1:-ncu-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-ncu-out}

@@ -103,7 +103,9 @@ def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, 
     row_starts, tile_starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
     inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages, gather=x_rows is not None)
     smem = shared_bytes(stages, bits, group_size, scales.dtype) if stages else 0
-    x_rows_in = row_starts if x_rows is None else x_rows.astype(mx.int32)  # unread without GATHER
+    x_rows_in = row_starts  # unread without GATHER
+    if x_rows is not None:  # SwitchGLU's are int32 already: one cast a layer, not one a projection
+        x_rows_in = x_rows if x_rows.dtype == mx.int32 else x_rows.astype(mx.int32)
     y = kernels.call(STAGED_SPEC.name if stages else SPEC.name, backend,
                      [x.reshape(-1, K), tile_starts, row_starts, w, scales, biases, x_rows_in], list(inst.template),
                      (blocks(rows, N, E) * THREADS, 1, 1), (THREADS, 1, 1), [(rows, N)], [x.dtype], init_value, smem)[0]
