@@ -8,8 +8,8 @@
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
-# LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; KERNEL_ROWS (a regex)
-# keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
+# LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
+# step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,8 +55,8 @@ wait
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
-# The defaults end to end by length, each also with the opt-in moe_gemm_gather (x rows read through the sort order;
-# 13-17% faster in run 17, its cuda tests in the first step) and moe_gemm_staged, the MoE block part by part, and
+# The defaults end to end by length, each also with moe_gemm_gather off (x rows gathered by MLX before the gate and
+# up projections) and moe_gemm_staged on, the MoE block part by part, and
 # the routed experts' paths by rows: one process, so the 19.5 GB model loads once (about 25 s a load); the report
 # is rewritten after every length.
 step 60 300 "prefill by length, defaults vs moe_gemm_gather and _staged; MoE blocks; sweep" python3 -m bench.profile_prefill \
@@ -73,8 +73,9 @@ for dt in bfloat16 float32; do
   step 60 150 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
     --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
 done
-# Where a 2048-token prefill's time goes now, part by part (the next kernel to write for issue 5).
-step 60 120 "prefill parts at 2048 tokens" python3 -m bench.profile_prefill --model "$model" --tokens 2048 --no-bounded \
+# Where a 2048-token (PARTS_TOKENS) prefill's time goes now, part by part (the next kernel to write for issue 5).
+step 60 120 "prefill parts at ${PARTS_TOKENS:-2048} tokens" python3 -m bench.profile_prefill --model "$model" \
+  --tokens ${PARTS_TOKENS:-2048} --no-bounded \
   --json "$res/prefill_parts.json"
 # The memory bound with the opt-in headroom on top of the default layer bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill at 8192 tokens, headroom capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
