@@ -60,29 +60,35 @@ def _check(got, want, xdt):
 def test_expert_starts_are_prefix_sums():
     counts = [0, 65, 1, 128, 0, 3]
     idx = mx.array(np.repeat(np.arange(6), counts).astype(np.uint32))
-    rows, tiles = mg.expert_starts(idx, 6)
-    assert rows.tolist() == [0, 0, 65, 66, 194, 194, 197]
+    rows, tiles, bm = mg.expert_starts(idx, 6)
+    assert rows.tolist() == [0, 0, 65, 66, 194, 194, 197] and bm == mg.BM
     assert tiles.tolist() == [0, 0, 2, 3, 5, 5, 6]
-    assert mg.blocks(197, 160, 6) >= tiles[-1].item() * 2  # the launch covers every tile of both column tiles
+    assert mg.launch(197, 160, 6)[0] >= tiles[-1].item() * 2  # the launch covers every tile of both column tiles
+    assert mg.expert_starts(idx, 6, 16).tiles.tolist() == [0, 0, 5, 6, 14, 14, 15]
+    assert mg.launch(197, 160, 6, 16)[0] >= 15 * 2  # moe_gemm_direct's 128-column tiles
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_metal_emulated_matches_oracle(tmp_path):
-    """The default body, and the staged variant at Metal's one stage and at the rings CUDA can run (2 and 4 stages:
-    the copies' slots and wait counts); each also reading its rows from unsorted tokens through x_rows (gather)."""
+    """The default body; the staged variant at Metal's one stage and at the rings CUDA can run (2 and 4 stages: the
+    copies' slots and wait counts); moe_gemm_direct at row tiles 16 and 32; each also reading its rows from unsorted
+    tokens through x_rows (gather)."""
     emu, wants = Emulator(tmp_path), []
-    variants = [(mg.SPEC, None)] * len(CASES) + [(mg.STAGED_SPEC, (1, 2, 4)[i % 3]) for i in range(len(CASES))]
-    for i, ((spec, stages), gather) in enumerate((v, g) for v in variants for g in (False, True)):
+    variants = [(mg.SPEC, None, mg.BM)] * len(CASES) + [(mg.STAGED_SPEC, (1, 2, 4)[i % 3], mg.BM)
+                                                        for i in range(len(CASES))]
+    variants += [(mg.DIRECT_SPEC, None, bm) for bm in (16, 32) for _ in CASES]
+    for i, ((spec, stages, bm), gather) in enumerate((v, g) for v in variants for g in (False, True)):
         counts, K, N, bits, group, xdt, sdt = CASES[(i // 2) % len(CASES)]
         x, q, s, b, idx = _case(counts, K, N, bits, group, xdt, sdt, (i // 2) % len(CASES))
         E, rows = len(counts), sum(counts)
-        row_starts, tile_starts = mg.expert_starts(idx, E)
-        x_in, x_rows = (x, row_starts) if not gather else _tokens(x, i)
+        starts = mg.expert_starts(idx, E, bm)
+        x_in, x_rows = (x, starts.rows) if not gather else _tokens(x, i)
         if gather:
             x = x_in[x_rows]
-        emu.add(spec, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages, gather),
-                [x_in.reshape(-1, K), tile_starts, row_starts, q, s, b, x_rows],
-                (mg.blocks(rows, N, E) * mg.THREADS, 1, 1), (mg.THREADS, 1, 1), [(rows, N)])
+        blocks, threads = mg.launch(rows, N, E, bm)
+        emu.add(spec, mg.instance(xdt, sdt, rows, K, N, E, bits, group, stages, gather, bm),
+                [x_in.reshape(-1, K), starts.tiles, starts.rows, q, s, b, x_rows],
+                (blocks * threads, 1, 1), (threads, 1, 1), [(rows, N)])
         wants.append((_oracle(x, q, s, b, idx, group, bits).reshape(rows, N), xdt))
     for (want, xdt), (got,) in zip(wants, emu.run()):
         _check(got, want, xdt)
@@ -110,7 +116,7 @@ def test_dispatch_from_its_row_threshold_on_gpus_only(monkeypatch):
     monkeypatch.setattr(ops, "backend", lambda: "cpu")
     ops.gather_matmul(x, q, idx, **kw)
     assert len(calls) == 1 and calls[0]["starts"] is starts
-    assert [a.tolist() for a in starts] == [[0, 3, 3, 8], [0, 1, 1, 2]]
+    assert [a.tolist() for a in starts[:2]] == [[0, 3, 3, 8], [0, 1, 1, 2]] and starts.bm == mg.BM
 
 
 def test_gather_switch_hands_moe_gemm_the_sort_order(monkeypatch):
@@ -136,6 +142,23 @@ def test_gather_switch_hands_moe_gemm_the_sort_order(monkeypatch):
     n = len(model.language_model.model.layers)
     assert calls[False] == [False] * 3 * n and calls[True] == [True, True, False] * n
     assert mx.allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5).item()
+
+
+def test_row_tile_by_rows_an_expert():
+    assert mg.tile_rows(4096, 256) == mg.BM  # moe_gemm_direct off
+    with ops.switched("moe_gemm_direct", True):
+        assert [mg.tile_rows(r, 256) for r in (3072, 3073, 10240, 10241)] == [16, 32, 32, mg.BM]
+        idx = mx.array(np.repeat(np.arange(4), 300).astype(np.int32))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ops, "backend", lambda: "cuda")
+            assert ops.sorted_expert_starts(idx, 4).bm == mg.BM  # 300 rows an expert
+            assert ops.sorted_expert_starts(idx, 64).bm == 32  # 18.75
+        picked = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mg, "gather_matmul", lambda *a, **k: picked.append(k["starts"].bm))
+            mp.setattr(ops, "backend", lambda: "cuda")
+            mg._dispatch(mx.zeros((1200, 1, 64), BF16), mx.zeros((64, 8, 8), mx.uint32), idx, scales=None)
+        assert picked == [32]  # no starts handed over: the dispatcher's own, at the switch's tile
 
 
 def test_staged_variant_is_opt_in(monkeypatch):
@@ -189,30 +212,39 @@ def _gpu_case(backend, i):
             got = mg.gather_matmul(tokens, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
                                    init_value=float("nan"), stages=stages, x_rows=x_rows)
             _check(got, _oracle(tokens[x_rows], q, s, b, idx, group, bits), xdt)
+    for bm in (16, 32):  # moe_gemm_direct
+        starts = mg.expert_starts(idx, len(counts), bm)
+        for xin, rows_in, want_x in ((x, None, x), (tokens, x_rows, tokens[x_rows])):
+            got = mg.gather_matmul(xin, q, idx, scales=s, biases=b, group_size=group, bits=bits, backend=backend,
+                                   init_value=float("nan"), starts=starts, x_rows=rows_in)
+            _check(got, _oracle(want_x, q, s, b, idx, group, bits), xdt)
 
 
-def _gpu_model_shapes(backend):
-    # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows: gate/up 2048 -> 512, down 512 -> 2048,
-    # a skewed split (one expert holds 1,000 rows, the last three none) against MLX's quantized gather; gate/up
-    # also read from the 2048 tokens through x_rows, as SwitchGLU hands them.
-    E, rows = 256, 16384
+def _gpu_model_shapes(backend, rows=16384, tiles=(mg.BM,)):
+    # The 35B-A3B experts on a 2048-token prefill's 16,384 sorted rows (or a 512-token one's 4,096): gate/up
+    # 2048 -> 512, down 512 -> 2048, a skewed split (one expert holds 1,000 rows, or 100, the last three none)
+    # against MLX's quantized gather; gate/up also read from the tokens through x_rows, as SwitchGLU hands them.
+    # `tiles`: the row tiles to run (64: the shared-memory body, else moe_gemm_direct's).
+    E = 256
     rng = np.random.default_rng(3)
-    idx = mx.array(np.sort(np.concatenate([np.full(1000, 7), rng.integers(0, E - 3, rows - 1000)])).astype(np.uint32))
+    big = rows // 16
+    idx = mx.array(np.sort(np.concatenate([np.full(big, 7), rng.integers(0, E - 3, rows - big)])).astype(np.uint32))
     for K, N in ((2048, 512), (512, 2048)):
         q, s, b = mx.quantize(mx.random.normal((E, N, K), key=mx.random.key(K)) * 0.05, group_size=64, bits=4)
         s, b = s.astype(BF16), b.astype(BF16)
         x = mx.random.normal((rows, 1, K), key=mx.random.key(N)).astype(BF16)
-        got = mg.gather_matmul(x, q, idx, scales=s, biases=b, group_size=64, bits=4, backend=backend,
-                               init_value=float("nan"))
         want = reference.gather_matmul(x, q, idx, scales=s, biases=b, group_size=64, bits=4, sorted_indices=True)
-        _check(got, want, BF16)
+        x_rows = mx.array(rng.integers(0, rows // 8, rows).astype(np.int32))
+        tokens = x[: rows // 8]
         if K == 2048:
-            x_rows = mx.array(rng.integers(0, rows // 8, rows).astype(np.int32))
-            tokens = x[: rows // 8]
-            got = mg.gather_matmul(tokens, q, idx, scales=s, biases=b, group_size=64, bits=4, backend=backend,
-                                   init_value=float("nan"), x_rows=x_rows)
-            _check(got, reference.gather_matmul(tokens[x_rows], q, idx, scales=s, biases=b, group_size=64, bits=4,
-                                                sorted_indices=True), BF16)
+            want_gathered = reference.gather_matmul(tokens[x_rows], q, idx, scales=s, biases=b, group_size=64,
+                                                    bits=4, sorted_indices=True)
+        for bm in tiles:
+            kw = dict(scales=s, biases=b, group_size=64, bits=4, backend=backend, init_value=float("nan"),
+                      starts=mg.expert_starts(idx, E, bm))
+            _check(mg.gather_matmul(x, q, idx, **kw), want, BF16)
+            if K == 2048:
+                _check(mg.gather_matmul(tokens, q, idx, x_rows=x_rows, **kw), want_gathered, BF16)
 
 
 @pytest.mark.cuda
@@ -235,6 +267,36 @@ def test_moe_gemm_model_shapes_cuda():
 @pytest.mark.metal
 def test_moe_gemm_model_shapes_metal():
     _gpu_model_shapes("metal")
+
+
+@pytest.mark.cuda
+def test_moe_gemm_direct_model_shapes_cuda():
+    _gpu_model_shapes("cuda", rows=4096, tiles=(16, 32))
+
+
+@pytest.mark.metal
+def test_moe_gemm_direct_model_shapes_metal():
+    _gpu_model_shapes("metal", rows=4096, tiles=(16, 32))
+
+
+def _model_prefill_direct_on_vs_off(monkeypatch):
+    """The embedded 4-bit model's prefill with moe_gemm_direct on vs off (its row tile forced: 8 experts hold too
+    many rows for the default choice): every projection through the direct body when on, none when off."""
+    monkeypatch.setattr(mg, "DIRECT_TILES", ((10**6, 32),))
+    calls = []
+    err = prefill_rel_err("moe_gemm_direct", kernel="moe_gemm", calls=calls)
+    assert {(on, k["starts"].bm) for on, k in calls} == {(False, mg.BM), (True, 32)}
+    assert err < 2e-2, f"prefill logits with moe_gemm_direct: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_gemm_direct_cuda(monkeypatch):
+    _model_prefill_direct_on_vs_off(monkeypatch)
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_gemm_direct_metal(monkeypatch):
+    _model_prefill_direct_on_vs_off(monkeypatch)
 
 
 def _model_prefill_gather_on_vs_off():

@@ -185,13 +185,13 @@ def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int,
 MOE_GEMM_MIN_ROWS = 512
 
 
-def sorted_expert_starts(indices, experts: int) -> Optional[tuple[mx.array, mx.array]]:
+def sorted_expert_starts(indices, experts: int) -> Optional["_moe_gemm.ExpertStarts"]:
     """For rows sorted by expert: what moe_gemm's blocks search (computed once for a layer's three projections),
     or None where moe_gemm will not run."""
     if (_kernels.get("moe_gemm") is None or not enabled("moe_gemm") or backend() == "cpu"
             or indices.size < MOE_GEMM_MIN_ROWS):
         return None
-    return _moe_gemm.expert_starts(indices, experts)
+    return _moe_gemm.expert_starts(indices, experts, _moe_gemm.tile_rows(indices.size, experts))
 
 
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False,

@@ -12,7 +12,7 @@ memory 9 GB lower; one layer's routed experts on 16,384 rows 4.56 -> 1.98 ms.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -27,6 +27,11 @@ SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E", "GATHER")
 # for the default body in runs 11 and 13; whole prefills in one process no faster (run 14: 75.3 vs 71.6 ms at 512
 # tokens, 113.1 vs 112.2 at 2048). Metal's 32 KB hold one stage.
 STAGES = {"cuda": 2, "metal": 1}
+# moe_gemm_direct (kernels/moe_gemm_direct.inc): 4 warps of 32 columns each, no shared memory; the row tile by the
+# average rows an expert, (at most, BM) in order, else the shared-memory body's 64.
+DIRECT_THREADS = 128
+DIRECT_BN = 128
+DIRECT_TILES = ((12, 16), (40, 32))
 METAL_SHARED_LIMIT = 32768
 
 
@@ -37,14 +42,32 @@ def shared_bytes(stages: int, bits: int, group_size: int, scale_dtype) -> int:
     return stages * stage + BN * LD * 2
 
 
-def expert_starts(indices: mx.array, experts: int) -> tuple[mx.array, mx.array]:
-    """Sorted expert ids [R] -> (row_starts, tile_starts), each [E + 1] int32: exclusive prefix sums of each
-    expert's rows and of its BM-row tiles (the kernel's row tiles never straddle two experts)."""
+class ExpertStarts(NamedTuple):
+    """Where each expert's rows and its row tiles begin in the sorted rows ([E + 1] int32 prefix sums each), for
+    tiles of `bm` rows (the kernel's row tiles never straddle two experts)."""
+    rows: mx.array
+    tiles: mx.array
+    bm: int
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """The row tile for `rows` sorted rows over `experts`: moe_gemm_direct's for few rows an expert on average."""
+    from . import enabled
+
+    if enabled("moe_gemm_direct"):
+        for most, bm in DIRECT_TILES:
+            if rows <= most * experts:
+                return bm
+    return BM
+
+
+def expert_starts(indices: mx.array, experts: int, bm: int = BM) -> ExpertStarts:
+    """Sorted expert ids [R] -> their ExpertStarts for tiles of bm rows."""
     counts = mx.zeros((experts,), mx.int32).at[indices.astype(mx.int32)].add(1)  # [E]
     zero = mx.zeros((1,), mx.int32)
     row_starts = mx.concatenate([zero, mx.cumsum(counts)])
-    tile_starts = mx.concatenate([zero, mx.cumsum((counts + BM - 1) // BM)])
-    return row_starts, tile_starts
+    tile_starts = mx.concatenate([zero, mx.cumsum((counts + bm - 1) // bm)])
+    return ExpertStarts(row_starts, tile_starts, bm)
 
 
 def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stages_on: Optional[str] = None,
@@ -74,56 +97,69 @@ def unsupported(x, w, indices, scales, biases, group_size: int, bits: int, stage
 
 
 def instance(x_dtype, scale_dtype, rows: int, K: int, N: int, E: int, bits: int, group_size: int,
-             stages: Optional[int] = None, gather: bool = False) -> kernels.Instance:
-    """One call's instance; with `stages`, of the staged variant; `gather`: rows read through x_rows."""
+             stages: Optional[int] = None, gather: bool = False, bm: int = BM) -> kernels.Instance:
+    """One call's instance: of the staged variant with `stages`, of moe_gemm_direct for a row tile `bm` under 64;
+    `gather`: rows read through x_rows."""
     template = (("T", x_dtype), ("TS", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", K), ("N", N),
-                ("E", E), ("GATHER", int(gather))) + ((("STAGES", stages),) if stages else ())
+                ("E", E), ("GATHER", int(gather))) + ((("STAGES", stages),) if stages else ()) \
+        + ((("BM", bm),) if bm != BM else ())
     inputs = ((x_dtype, (rows, K)), (mx.int32, (E + 1,)), (mx.int32, (E + 1,)), (mx.uint32, (E, N, K * bits // 32)),
               (scale_dtype, (E, N, K // group_size)), (scale_dtype, (E, N, K // group_size)),
               (mx.int32, (rows if gather else E + 1,)))
     return kernels.Instance(template, inputs, (x_dtype,))
 
 
-def blocks(rows: int, N: int, E: int) -> int:
-    """An upper bound on the launch's blocks: every expert adds at most one partial row tile."""
-    return (-(-rows // BM) + min(E, rows)) * -(-N // BN)
+def launch(rows: int, N: int, E: int, bm: int = BM) -> tuple[int, int]:
+    """(blocks, threads a block) of the body for row tile bm: blocks an upper bound, as every expert adds at most
+    one partial row tile."""
+    bn, threads = (BN, THREADS) if bm == BM else (DIRECT_BN, DIRECT_THREADS)
+    return (-(-rows // bm) + min(E, rows)) * -(-N // bn), threads
 
 
 def gather_matmul(x, w, indices, *, scales, biases, group_size: int, bits: int, backend: str,
-                  starts: Optional[tuple[mx.array, mx.array]] = None, init_value: Optional[float] = None,
+                  starts: Optional[ExpertStarts] = None, init_value: Optional[float] = None,
                   stages: Optional[int] = None, x_rows: Optional[mx.array] = None):
     """x [..., 1, K] rows sorted by expert, w [E, N, K*bits/32], indices [...] (sorted) -> [..., 1, N] in x's
-    dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E) if already computed;
-    `stages`: run the staged variant with that many stages; `x_rows` [R]: sorted row r is x row x_rows[r]
+    dtype, or None when the kernel does not apply. `starts`: expert_starts(indices, E, bm) if already computed
+    (its bm picks the body: 64, the shared-memory one, else moe_gemm_direct); `stages`: the staged variant with
+    that many stages where the body is the shared-memory one; `x_rows` [R]: sorted row r is x row x_rows[r]
     (x [T, 1, K] unsorted, the result [R, 1, N]), read in place of a gather."""
+    starts_bm = starts.bm if starts is not None else BM
+    stages = stages if starts_bm == BM else None
     if unsupported(x, w, indices, scales, biases, group_size, bits, backend if stages else None, x_rows) is not None:
         return None
     E, N, K = w.shape[0], w.shape[1], x.shape[-1]
     rows = x.size // K if x_rows is None else x_rows.size
-    row_starts, tile_starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
-    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages, gather=x_rows is not None)
+    starts = starts if starts is not None else expert_starts(indices.reshape(-1), E)
+    inst = instance(x.dtype, scales.dtype, rows, K, N, E, bits, group_size, stages, x_rows is not None, starts.bm)
+    name = STAGED_SPEC.name if stages else SPEC.name if starts.bm == BM else DIRECT_SPEC.name
     smem = shared_bytes(stages, bits, group_size, scales.dtype) if stages else 0
-    x_rows_in = row_starts  # unread without GATHER
+    x_rows_in = starts.rows  # unread without GATHER
     if x_rows is not None:  # SwitchGLU's are int32 already: one cast a layer, not one a projection
         x_rows_in = x_rows if x_rows.dtype == mx.int32 else x_rows.astype(mx.int32)
-    y = kernels.call(STAGED_SPEC.name if stages else SPEC.name, backend,
-                     [x.reshape(-1, K), tile_starts, row_starts, w, scales, biases, x_rows_in], list(inst.template),
-                     (blocks(rows, N, E) * THREADS, 1, 1), (THREADS, 1, 1), [(rows, N)], [x.dtype], init_value, smem)[0]
+    blocks, threads = launch(rows, N, E, starts.bm)
+    y = kernels.call(name, backend, [x.reshape(-1, K), starts.tiles, starts.rows, w, scales, biases, x_rows_in],
+                     list(inst.template), (blocks * threads, 1, 1), (threads, 1, 1), [(rows, N)], [x.dtype],
+                     init_value, smem)[0]
     return y.reshape(*x.shape[:-1], N) if x_rows is None else y.reshape(rows, *x.shape[1:-1], N)
 
 
 # The 35B-A3B experts (gate/up 2048 -> 512, down 512 -> 2048, 256 experts, 4-bit, group 64) and the odd test shapes;
-# the staged variant's at each backend's stage count, the odd ones at 2, 4 and 1 stages.
-def _instances(staged: bool) -> list[kernels.Instance]:
+# the staged variant's at each backend's stage count, the odd ones at 2, 4 and 1 stages; moe_gemm_direct's at each
+# of its row tiles, the odd ones at 16 and 32 in turn.
+def _instances(staged: bool = False, direct: bool = False) -> list[kernels.Instance]:
     bf16, f16 = mx.bfloat16, mx.float16
     model_stages = sorted(set(STAGES.values())) if staged else [None]
     # gate and up read the tokens through x_rows (SwitchGLU), down its sorted rows; bench.kernels gate without.
-    insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s, gather) for t in ACTIVATIONS
-             for K, N, gather in ((2048, 512, True), (2048, 512, False), (512, 2048, False)) for s in model_stages]
+    tiles = [bm for _, bm in DIRECT_TILES] if direct else [BM]
+    insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s, gather, bm) for t in ACTIVATIONS
+             for K, N, gather in ((2048, 512, True), (2048, 512, False), (512, 2048, False)) for s in model_stages
+             for bm in tiles]
     odd = ((bf16, bf16, 70, 192, 160, 5, 4, 64, 2), (f16, mx.float32, 37, 128, 96, 3, 8, 32, 4),
            (bf16, f16, 9, 256, 136, 4, 4, 128, 1))
-    insts += [instance(*o[:-1], o[-1] if staged else None, gather) for o in odd for gather in (False, True)]
-    name = "moe_gemm_staged" if staged else "moe_gemm"
+    insts += [instance(*o[:-1], o[-1] if staged else None, gather, tiles[i % len(tiles)])
+              for i, o in enumerate(odd) for gather in (False, True)]
+    name = "moe_gemm_staged" if staged else "moe_gemm_direct" if direct else "moe_gemm"
     return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name(name, i.template, i.inputs,
                                                                                       i.output_dtypes))
 
@@ -146,15 +182,28 @@ STAGED_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
-def _dispatch(x, w, indices, **kwargs):
+DIRECT_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_gemm_direct", body="moe_gemm_direct.inc", input_names=SPEC.input_names,
+    output_names=SPEC.output_names, template_params=SPEC_PARAMS + ("BM",),
+    description="moe_gemm for few rows an expert: warps load their fragments straight from global memory (k permuted "
+                "within a slice), no shared memory",
+    instances=lambda: _instances(direct=True),
+))
+
+
+def _dispatch(x, w, indices, *, starts: Optional[ExpertStarts] = None, **kwargs):
     from . import backend, enabled
 
     b = backend()
-    return gather_matmul(x, w, indices, backend=b, stages=STAGES[b] if enabled("moe_gemm_staged") else None, **kwargs)
+    if starts is None:
+        starts = expert_starts(indices.reshape(-1), w.shape[0], tile_rows(indices.size, w.shape[0]))
+    return gather_matmul(x, w, indices, backend=b, stages=STAGES[b] if enabled("moe_gemm_staged") else None,
+                         starts=starts, **kwargs)
 
 
 register_kernel("moe_gemm", SPEC.description, _dispatch)
 register_switch("moe_gemm_staged", STAGED_SPEC.description, default_on=False)
+register_switch("moe_gemm_direct", DIRECT_SPEC.description, default_on=False)
 # H200 run 17: whole prefills 60.6 ms at 512 tokens, 99.5 at 2048, 414.2 at 8192 with it, 72.7, 113.8, 447.0 without.
 register_switch("moe_gemm_gather", "moe_gemm reads the gate and up projections' rows through the sort order "
                 "(no gathered copy of x)")
