@@ -1,0 +1,100 @@
+"""Where a prefill's GPU time goes, kernel by kernel (ncu's own kernel durations, no launch gaps), on the first
+`--layers` decoder layers of a model (4: three DeltaNet layers and an attention layer, the 35B-A3B's pattern):
+
+    ncu --csv --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+        python3 kernels/scratch/prefill_ncu.py --model /tmp/r35 --tokens 512 > raw.csv
+    python3 kernels/scratch/prefill_ncu.py --summarize raw.csv
+
+The script prefills twice (the first compiles every kernel); the summary keeps the second half of the launches.
+It also prints how the routed rows fall on the experts in each layer (the row tiles each body would run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def prefill(model_path: str, tokens: int, layers: int) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    import lily_mlx
+    from lily_mlx import ops
+
+    splits = []
+    real = ops.sorted_expert_starts
+
+    def spy(indices, experts):
+        starts = real(indices, experts)
+        splits.append(np.bincount(np.array(indices.astype(mx.int32)), minlength=experts))
+        return starts
+
+    ops.sorted_expert_starts = spy
+    model, _ = lily_mlx.load(model_path, lazy=True)
+    text = model.language_model.model
+    text.layers = text.layers[:layers]
+    mx.eval(model.parameters())  # only the layers kept are ever read
+    prompt = mx.array(np.random.default_rng(tokens).integers(0, model.config.vocab_size, (1, tokens)))
+    for _ in range(2):
+        cache = model.make_cache()
+        mx.eval(model(prompt, cache=cache), [c.state for c in cache])
+    for i, counts in enumerate(splits[len(splits) // 2:]):
+        tiles = {bm: int(np.sum(-(-counts // bm))) for bm in (16, 32, 64)}
+        print(f"layer {i}: {counts.sum()} rows, {np.count_nonzero(counts)} experts, max {counts.max()}, "
+              f"row tiles {tiles}, rows a used expert {np.percentile(counts[counts > 0], [10, 50, 90]).tolist()}")
+
+
+def short(name: str) -> str:
+    """A kernel's name without its argument list and template noise."""
+    name = re.sub(r"\(.*", "", name)
+    m = re.search(r"custom_kernel_(\w+?)_(bfloat16|float16|float32|float|half)", name)
+    return m.group(1) if m else name[:70]
+
+
+def summarize(path: str) -> None:
+    launches = defaultdict(dict)  # ID -> metric -> value, and the kernel's name
+    for row in csv.DictReader(io.StringIO("".join(l for l in open(path) if l.startswith('"')))):
+        launch = launches[int(row["ID"])]
+        launch["name"] = row["Kernel Name"]
+        launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    ids = sorted(launches)
+    second = ids[len(ids) // 2:]
+    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for i in second:
+        l = launches[i]
+        b = by[short(l["name"])]
+        b[0] += 1
+        b[1] += l.get("gpu__time_duration.sum", 0.0) / 1e3  # ns -> us
+        b[2] = l.get("launch__registers_per_thread", 0.0)
+        b[3] += l.get("sm__warps_active.avg.pct_of_peak_sustained_active", 0.0)
+    total = sum(b[1] for b in by.values())
+    print(f"{len(second)} launches, {total:.0f} us of kernel time")
+    print(f"{'kernel':70} {'calls':>6} {'us':>9} {'share':>6} {'regs':>5} {'warps %':>8}")
+    for name, (n, us, regs, occ) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name:70} {n:6d} {us:9.1f} {100 * us / total:5.1f}% {regs:5.0f} {occ / n:8.1f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--summarize", metavar="CSV")
+    args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        prefill(args.model, args.tokens, args.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
