@@ -41,6 +41,8 @@ def prefill(model_path: str, tokens: int, layers: int) -> None:
     model, _ = lily_mlx.load(model_path, lazy=True)
     text = model.language_model.model
     text.layers = text.layers[:layers]
+    kinds = [l.is_linear for l in text.layers]
+    text.ssm_idx, text.fa_idx = (kinds.index(k) if k in kinds else None for k in (True, False))
     mx.eval(model.parameters())  # only the layers kept are ever read
     prompt = mx.array(np.random.default_rng(tokens).integers(0, model.config.vocab_size, (1, tokens)))
     for _ in range(2):
