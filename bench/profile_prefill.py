@@ -262,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bounded", action="store_true", help="skip the bounded run-ahead variants")
     ap.add_argument("--flash-min-scores", type=int, nargs="+", default=[], metavar="N",
                     help="also time each length with flash_attn taken from N scores (ops.FLASH_MIN_SCORES)")
+    ap.add_argument("--dense-min-weights", type=int, nargs="+", default=[], metavar="N",
+                    help="also time each length with dense projections dequantized from N weight elements "
+                         "(ops.DENSE_DEQUANT_MIN_WEIGHTS)")
     ap.add_argument("--moe-parts", action="store_true", help="also time each part of the MoE block at each length")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
@@ -300,6 +303,9 @@ def main(argv=None) -> int:
         for n in args.flash_min_scores:
             with mock.patch.object(ops, "FLASH_MIN_SCORES", n):
                 row["flipped"][f"flash_attn from {n} scores"] = timed(f"  flash_attn from {n} scores")
+        for n in args.dense_min_weights:
+            with mock.patch.object(ops, "DENSE_DEQUANT_MIN_WEIGHTS", n):
+                row["flipped"][f"dense dequant from {n} weights"] = timed(f"  dense dequant from {n} weights")
         for name in args.ab_switch:
             on = not ops.enabled(name)
             with ops.switched(name, on):

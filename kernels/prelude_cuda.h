@@ -50,6 +50,12 @@ LILY_INLINE float lily_exp2(float v) { return exp2f(v); }
 LILY_INLINE float lily_cos(float v) { return cosf(v); }
 LILY_INLINE float lily_sin(float v) { return sinf(v); }
 
+// Shared-memory counters (moe_sort): atomicAdd on a plain int here, atomic_int on Metal.
+typedef int lily_atomic_int;
+LILY_INLINE int lily_atomic_add(lily_atomic_int* p, int v) { return atomicAdd(p, v); }
+LILY_INLINE int lily_atomic_load(const lily_atomic_int* p) { return *p; }
+LILY_INLINE void lily_atomic_store(lily_atomic_int* p, int v) { *p = v; }
+
 // Lanes of one warp meet (shared-memory writes by one lane visible to the others).
 #define LILY_WARP_SYNC() __syncwarp()
 

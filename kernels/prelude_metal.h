@@ -47,4 +47,12 @@ LILY_INLINE float lily_sin(float v) { return metal::precise::sin(v); }
 
 #define LILY_WARP_SYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
 
+// Threadgroup counters (moe_sort): Metal's atomic_int, relaxed (a barrier orders them against other accesses).
+typedef atomic_int lily_atomic_int;
+LILY_INLINE int lily_atomic_add(LILY_TG_PTR lily_atomic_int* p, int v) {
+  return atomic_fetch_add_explicit(p, v, memory_order_relaxed);
+}
+LILY_INLINE int lily_atomic_load(LILY_TG_PTR lily_atomic_int* p) { return atomic_load_explicit(p, memory_order_relaxed); }
+LILY_INLINE void lily_atomic_store(LILY_TG_PTR lily_atomic_int* p, int v) { atomic_store_explicit(p, v, memory_order_relaxed); }
+
 #endif

@@ -183,13 +183,8 @@ class SwitchGLU(nn.Module):
         do_sort = indices.size >= 64
         idx, inv_order, starts, x_rows = indices, None, None, None
         if do_sort:
-            k = indices.shape[-1]
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inv_order = mx.argsort(order)
-            idx = flat[order]
-            starts = ops.sorted_expert_starts(idx, self.gate_proj["weight"].shape[0])
-            x, x_rows = x.flatten(0, -3), (order // k).astype(mx.int32)  # [T, 1, H]: moe_gemm reads them in place
+            idx, inv_order, x_rows, starts = ops.sort_by_expert(indices, self.gate_proj["weight"].shape[0])
+            x = x.flatten(0, -3)  # [T, 1, H]: moe_gemm reads the sorted rows' tokens in place
             if starts is None or not ops.enabled("moe_gemm_gather"):  # gather them once for both projections
                 x, x_rows = x[x_rows], None
         kw = dict(sorted_indices=do_sort, expert_starts=starts)

@@ -103,10 +103,12 @@ def _try(name: str, *args, **kwargs):
 
 
 # Rows and weight elements from which a dense quantized projection runs as dequantize + a dense bf16 GEMM on
-# CUDA. H200, 2048 rows (bench/profile_prefill.py): DeltaNet in_proj 0.96 -> 0.50 ms, o_proj 0.49 -> 0.19 ms,
-# but the shared expert's 1-2M-element weights 0.27 -> 0.35 ms (the dequantize dominates there).
+# CUDA. H200, 2048 rows (bench/profile_prefill.py): DeltaNet in_proj 0.96 -> 0.50 ms, o_proj 0.49 -> 0.19 ms. The
+# small ones (the shared expert's 1M-element weights, the router's 0.5M) were left to MLX's quantized matmul by an
+# older dequantize's figures (0.27 -> 0.35 ms); ncu of a 512-token prefill (run 20) has that matmul at 54-62 us a
+# call on 32 blocks (the router's 257 columns: its naive kernel), where dequantize + GEMM is some 10 us.
 DENSE_DEQUANT_MIN_ROWS = 512
-DENSE_DEQUANT_MIN_WEIGHTS = 4 << 20
+DENSE_DEQUANT_MIN_WEIGHTS = 1 << 18
 register_switch("dense_dequant_gemm", "prefill projections: dequantize the weight, then a dense GEMM (CUDA)")
 
 
@@ -185,13 +187,34 @@ def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int,
 MOE_GEMM_MIN_ROWS = 512
 
 
+def _moe_gemm_runs(rows: int) -> bool:
+    return (_kernels.get("moe_gemm") is not None and enabled("moe_gemm") and backend() != "cpu"
+            and rows >= MOE_GEMM_MIN_ROWS)
+
+
 def sorted_expert_starts(indices, experts: int) -> Optional["_moe_gemm.ExpertStarts"]:
     """For rows sorted by expert: what moe_gemm's blocks search (computed once for a layer's three projections),
     or None where moe_gemm will not run."""
-    if (_kernels.get("moe_gemm") is None or not enabled("moe_gemm") or backend() == "cpu"
-            or indices.size < MOE_GEMM_MIN_ROWS):
+    if not _moe_gemm_runs(indices.size):
         return None
     return _moe_gemm.expert_starts(indices, experts, _moe_gemm.tile_rows(indices.size, experts))
+
+
+def sort_by_expert(indices, experts: int):
+    """indices [..., k] (each token's experts) -> the flat rows (t * k + j) grouped by expert: (each sorted row's
+    expert [R], inv_order [R] (each flat row's sorted place), x_rows [R] int32 (each sorted row's token), moe_gemm's
+    ExpertStarts or None where moe_gemm will not run). One launch where moe_sort applies (its rows within an expert
+    in no set order), else MLX's argsorts (stable)."""
+    rows, k = indices.size, indices.shape[-1]
+    bm = _moe_gemm.tile_rows(rows, experts)
+    out = _try("moe_sort", indices, experts, bm)
+    if out is not None:
+        starts = _moe_gemm.ExpertStarts(out.row_starts, out.tile_starts, bm) if _moe_gemm_runs(rows) else None
+        return out.indices, out.inv_order, out.x_rows, starts
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    idx = flat[order]
+    return idx, mx.argsort(order), (order // k).astype(mx.int32), sorted_expert_starts(idx, experts)
 
 
 def gather_matmul(x, w, indices, *, scales=None, biases=None, group_size=64, bits=4, sorted_indices=False,
@@ -423,6 +446,7 @@ from . import flash_attn as _flash_attn  # noqa: E402,F401
 from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401
+from . import moe_sort as _moe_sort  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.

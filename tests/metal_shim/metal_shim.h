@@ -7,6 +7,7 @@
 // `threadgroup` arrays become function statics (shared by the running threadgroup's threads).
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -114,6 +115,13 @@ inline To as_type(const From& v) {
   std::memcpy(&r, &v, sizeof(To));
   return r;
 }
+
+// Metal's atomic_int and its explicit operations (relaxed is the only order Metal has).
+typedef std::atomic<int> atomic_int;
+enum memory_order { memory_order_relaxed };
+inline int atomic_fetch_add_explicit(atomic_int* p, int v, memory_order) { return p->fetch_add(v, std::memory_order_relaxed); }
+inline int atomic_load_explicit(atomic_int* p, memory_order) { return p->load(std::memory_order_relaxed); }
+inline void atomic_store_explicit(atomic_int* p, int v, memory_order) { p->store(v, std::memory_order_relaxed); }
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) {
