@@ -85,10 +85,12 @@ def test_kernels_carry_only_the_helpers_they_call():
     assert hdr.index("lily_normed(") < hdr.index("lily_norm_rope(")  # file order: used before use
     names = {n for names, _ in kernels._common_helpers() for n in names}
     assert {"lily_qdot16", "lily_topk", "lily_row_rsqrt_ms", "lily_sigmoid", "lily_neg_inf"} <= names
+    everything = len(kernels.header("metal", " ".join(sorted(names) + ["lily_mma", "lily_df_"])))
     for name in SPEC_NAMES:
         spec = kernels.SPECS[name]
         body = kernels.body(spec, "metal")
-        assert len(kernels.header("metal", body)) < len(kernels.header("metal", " ".join(sorted(names))))
+        assert len(kernels.header("metal", body)) < everything
+    assert "LILY_DF_STEPS" not in kernels.header("metal", "lily_mma(c, a, b);")  # tile helpers without the direct ones
 
 
 def test_metal_small_and_scalar_inputs_use_constant_space():

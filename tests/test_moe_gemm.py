@@ -147,18 +147,18 @@ def test_gather_switch_hands_moe_gemm_the_sort_order(monkeypatch):
 def test_row_tile_by_rows_an_expert():
     assert mg.tile_rows(4096, 256) == mg.BM  # moe_gemm_direct off
     with ops.switched("moe_gemm_direct", True):
-        assert [mg.tile_rows(r, 256) for r in (3072, 3073, 10240, 10241)] == [16, 32, 32, mg.BM]
+        assert [mg.tile_rows(r, 256) for r in (4096, 6144, 6145)] == [16, 16, mg.BM]
         idx = mx.array(np.repeat(np.arange(4), 300).astype(np.int32))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ops, "backend", lambda: "cuda")
             assert ops.sorted_expert_starts(idx, 4).bm == mg.BM  # 300 rows an expert
-            assert ops.sorted_expert_starts(idx, 64).bm == 32  # 18.75
+            assert ops.sorted_expert_starts(idx, 64).bm == 16  # 18.75
         picked = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(mg, "gather_matmul", lambda *a, **k: picked.append(k["starts"].bm))
             mp.setattr(ops, "backend", lambda: "cuda")
             mg._dispatch(mx.zeros((1200, 1, 64), BF16), mx.zeros((64, 8, 8), mx.uint32), idx, scales=None)
-        assert picked == [32]  # no starts handed over: the dispatcher's own, at the switch's tile
+        assert picked == [16]  # no starts handed over: the dispatcher's own, at the switch's tile
 
 
 def test_staged_variant_is_opt_in(monkeypatch):

@@ -187,10 +187,12 @@ def common_header(text: str) -> str:
 
 
 def header(backend: str, body_text: str = "") -> str:
-    """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma), and the
-    common helpers it needs."""
+    """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma) and their
+    direct-fragment ones if it calls those (lily_df_), and the common helpers it needs."""
     _check_backend(backend)
     mma = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma", body_text) else ""
+    if re.search(r"\blily_df_", body_text):
+        mma += read_source(f"mma_direct_{backend}.h")
     return read_source(f"prelude_{backend}.h") + mma + common_header(body_text)
 
 

@@ -27,11 +27,14 @@ SPEC_PARAMS = ("T", "TS", "BITS", "GROUP", "K", "N", "E", "GATHER")
 # for the default body in runs 11 and 13; whole prefills in one process no faster (run 14: 75.3 vs 71.6 ms at 512
 # tokens, 113.1 vs 112.2 at 2048). Metal's 32 KB hold one stage.
 STAGES = {"cuda": 2, "metal": 1}
-# moe_gemm_direct (kernels/moe_gemm_direct.inc): 4 warps of 32 columns each, no shared memory; the row tile by the
-# average rows an expert, (at most, BM) in order, else the shared-memory body's 64.
+# moe_gemm_direct (kernels/moe_gemm_direct.inc, opt-in): 4 warps of 32 columns each, no shared memory; the row
+# tile by the average rows an expert, (at most, BM) in order, else the shared-memory body's 64. H200, 512 tokens
+# (16 rows an expert): at BM 32, 2989 vs 3117 us of kernel time (ncu, run 20) but the whole prefill 76.8 vs 63.0 ms
+# (run 19, one process, cause not found); the wall-time cases (run 19) favoured BM 16, hence the tile here.
 DIRECT_THREADS = 128
 DIRECT_BN = 128
-DIRECT_TILES = ((12, 16), (40, 32))
+DIRECT_TILES = ((24, 16),)
+DIRECT_BMS = (16, 32)  # the row tiles its instances and tests cover
 METAL_SHARED_LIMIT = 32768
 
 
@@ -151,7 +154,7 @@ def _instances(staged: bool = False, direct: bool = False) -> list[kernels.Insta
     bf16, f16 = mx.bfloat16, mx.float16
     model_stages = sorted(set(STAGES.values())) if staged else [None]
     # gate and up read the tokens through x_rows (SwitchGLU), down its sorted rows; bench.kernels gate without.
-    tiles = [bm for _, bm in DIRECT_TILES] if direct else [BM]
+    tiles = list(DIRECT_BMS) if direct else [BM]
     insts = [instance(t, bf16, 16384, K, N, 256, 4, 64, s, gather, bm) for t in ACTIVATIONS
              for K, N, gather in ((2048, 512, True), (2048, 512, False), (512, 2048, False)) for s in model_stages
              for bm in tiles]
