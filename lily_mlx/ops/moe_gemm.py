@@ -1,8 +1,9 @@
 """moe_gemm: the prefill's expert GEMM with the 4/8-bit weights dequantized inside the tile (kernels/moe_gemm.inc,
 CUDA mma.sync and Metal simdgroup matrices behind one body).
 
-Rows arrive sorted by expert (SwitchGLU sorts them). `expert_starts` turns the sorted expert ids into the two
-prefix sums the kernel's blocks search: where each expert's rows and its 64-row tiles begin. Until this kernel,
+Rows arrive sorted by expert (SwitchGLU sorts them, moe_sort where it runs). `expert_starts` turns the sorted
+expert ids into the two prefix sums the kernel's blocks search: where each expert's rows and its row tiles begin
+(64 rows; 16 or 32 for the opt-in moe_gemm_direct, which kernels/moe_gemm_direct.inc holds). Until this kernel,
 the prefill dequantized every expert of a layer to bf16 (1.6 GB written, then re-read by MLX's grouped GEMM,
 `moe_dequant_gemm`); here each block dequantizes one 128 x 64 slice of one expert's codes into shared memory.
 The tensor cores take 16-bit operands, so float32 activations keep the other paths. H200, 2026-12-04 (first
@@ -207,6 +208,7 @@ def _dispatch(x, w, indices, *, starts: Optional[ExpertStarts] = None, **kwargs)
 register_kernel("moe_gemm", SPEC.description, _dispatch)
 register_switch("moe_gemm_staged", STAGED_SPEC.description, default_on=False)
 register_switch("moe_gemm_direct", DIRECT_SPEC.description, default_on=False)
-# H200 run 17: whole prefills 60.6 ms at 512 tokens, 99.5 at 2048, 414.2 at 8192 with it, 72.7, 113.8, 447.0 without.
+# H200 run 18, one process, on vs off: whole prefills 64.7 vs 80.1 ms at 512 tokens, 101.6 vs 107.9 at 2048, 412.3
+# vs 446.7 at 8192.
 register_switch("moe_gemm_gather", "moe_gemm reads the gate and up projections' rows through the sort order "
                 "(no gathered copy of x)")

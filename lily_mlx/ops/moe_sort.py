@@ -4,7 +4,8 @@ SwitchGLU sorts the T * k (token, expert) rows by expert for the grouped GEMMs. 
 the inverse argsort, a gather, a division, and moe_gemm's prefix sums (a scatter, two scans, casts, concatenates):
 about 20 launches a layer, and the two argsorts alone 35 us each at 4,096 rows on the H200 (ncu, run 20, 512-token
 prefill: one block sorts them). This kernel counts each expert's rows with shared-memory atomics, scans, and writes
-everything those ops produced in one pass.
+everything those ops produced in one pass. H200, whole prefills on vs off in one process (run 21): 62.0 vs 84.0 ms at
+512 tokens, 97.4 vs 104.3 at 2048, 403.3 vs 417.9 at 8192.
 """
 
 from __future__ import annotations
