@@ -230,6 +230,25 @@ def _mix_on_vs_off(monkeypatch, heads, T, dtype):
 MIX_CASES = [((2, 6, 24, 40), 100), ((16, 32, 128, 128), 300)]
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_compiled_mixer_is_the_mixer(monkeypatch, dtype):
+    """compiled_mixer fuses the mixer's elementwise ops (mx.compile, shapeless): the same outputs, bit for bit, at
+    two lengths through one trace, a left-padded row included; the compiled graphs run only when it is on."""
+    calls = []
+    for name in ("_deltanet_qk_gates_compiled", "_gated_rms_norm_compiled"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    for T in (70, 33):
+        args = _mix_args(2, T, 2, 6, 24, 40, dtype, seed=T)
+        mask = mx.arange(T)[None, :] >= mx.array([[0], [T // 3]])
+        runs = []
+        for on in (False, True):
+            with ops.switched("compiled_mixer", on):
+                runs.append(ops.deltanet_mix(*args, num_key_heads=2, eps=1e-6, mask=mask))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(*runs)), f"T={T}"
+    assert calls == ["_deltanet_qk_gates_compiled", "_gated_rms_norm_compiled"] * 2
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,T", MIX_CASES)
