@@ -8,6 +8,8 @@ on vs off (float32 and bfloat16 inputs), and whole-model prefill logits with the
 
 from __future__ import annotations
 
+import re
+
 
 import mlx.core as mx
 import pytest
@@ -16,6 +18,7 @@ import lily_mlx
 from lily_mlx import ops
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.ops import deltanet_chunk as dc
+from lily_mlx.ops import kernels
 from lily_mlx.ops import reference
 from emulator import GXX, Emulator
 
@@ -247,6 +250,29 @@ def test_compiled_mixer_is_the_mixer(monkeypatch, dtype):
                 runs.append(ops.deltanet_mix(*args, num_key_heads=2, eps=1e-6, mask=mask))
         assert all(mx.array_equal(a, b).item() for a, b in zip(*runs)), f"T={T}"
     assert calls == ["_deltanet_qk_gates_compiled", "_gated_rms_norm_compiled"] * 2
+
+
+def test_compiled_mixer_takes_launches_out(monkeypatch, tmp_path):
+    """The point of compiled_mixer: the prefill mixer's graph at the 35B head shapes, its two kernels stood in (as
+    tests/test_decode_budget.py does), holds 42 primitives that launch, 22 with it on (CPU's graph: its rms_norm
+    decomposes, one launch on CUDA)."""
+    views = {"Broadcast", "Reshape", "Squeeze", "Slice", "Split", "Transpose", "ExpandDims", "Depends"}
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, *rest):
+        outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
+        return mx.depends(outs, list(inputs))
+
+    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    args = _mix_args(1, 512, 16, 32, 128, 128, BF16)[:-1] + (None,)
+    mx.eval(args[:-1])
+    counts = []
+    for on in (False, True):
+        with ops.switched("compiled_mixer", on):
+            mx.export_to_dot(str(tmp_path / "g.dot"), *ops.deltanet_mix(*args, num_key_heads=16, eps=1e-6))
+        nodes = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', (tmp_path / "g.dot").read_text())
+        counts.append(sum(n not in views for n in nodes))
+    assert counts == [42, 22]
 
 
 @pytest.mark.cuda
