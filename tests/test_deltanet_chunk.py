@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-
 import mlx.core as mx
 import pytest
 
