@@ -296,9 +296,9 @@ def _deltanet_qk_gates(q, k, a, b, A_log, dt_bias, q_scale: float):
     return reference.l2_normalize(q) * q_scale, reference.l2_normalize(k), log_g, beta
 
 
-# The same, each group of elementwise ops between the two reductions fused into one launch (mx.compile): in place
-# of ~20 launches a DeltaNet layer (H200 ncu, run 21: 3-6 us each), where a 512-token prefill is partly bound by
-# launches on the CPU. Shapeless: one trace serves every prompt length.
+# The same with each run of elementwise ops between the reductions fused into one launch (mx.compile): the mixer's
+# graph holds 42 primitives that launch, 22 with these (tests/test_deltanet_chunk.py), where a 512-token prefill is
+# partly bound by launches on the CPU (BENCHMARKS.md, moe_sort). Shapeless: one trace serves every prompt length.
 _deltanet_qk_gates_compiled = mx.compile(_deltanet_qk_gates, shapeless=True)
 _gated_rms_norm_compiled = mx.compile(reference.gated_rms_norm, shapeless=True)
 register_switch("compiled_mixer", "prefill DeltaNet mixer: the q/k norms and gates, and the gated output norm, "
