@@ -30,14 +30,13 @@ def prefill(model_path: str, tokens: int, layers: int) -> None:
     from lily_mlx import ops
 
     splits = []
-    real = ops.sorted_expert_starts
+    real = ops.sort_by_expert  # SwitchGLU's one way in, moe_sort or MLX's argsorts
 
     def spy(indices, experts):
-        starts = real(indices, experts)
-        splits.append(np.bincount(np.array(indices.astype(mx.int32)), minlength=experts))
-        return starts
+        splits.append(np.bincount(np.array(indices.astype(mx.int32)).reshape(-1), minlength=experts))
+        return real(indices, experts)
 
-    ops.sorted_expert_starts = spy
+    ops.sort_by_expert = spy
     model, _ = lily_mlx.load(model_path, lazy=True)
     text = model.language_model.model
     text.layers = text.layers[:layers]
