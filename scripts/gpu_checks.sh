@@ -89,7 +89,7 @@ if command -v py-spy >/dev/null; then
 fi
 # cuda_source_files (opt-in): MLX hashes each launch's source (9% of the step's CPU samples in run 9); the switch
 # hashes two #include lines instead. Its only A/B (third session) was 0.4 ms slower for reasons not found.
-step 60 80 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
+step 60 150 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
   --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
