@@ -298,11 +298,12 @@ def _deltanet_qk_gates(q, k, a, b, A_log, dt_bias, q_scale: float):
 
 # The same with each run of elementwise ops between the reductions fused into one launch (mx.compile): the mixer's
 # graph holds 42 primitives that launch, 22 with these (tests/test_deltanet_chunk.py), where a 512-token prefill is
-# partly bound by launches on the CPU (BENCHMARKS.md, moe_sort). Shapeless: one trace serves every prompt length.
+# partly bound by launches on the CPU. H200 run 24, one process: 62.5 vs 67.5 ms at 512 tokens, 96.1 vs 98.2 at 2048.
+# Shapeless: one trace serves every prompt length.
 _deltanet_qk_gates_compiled = mx.compile(_deltanet_qk_gates, shapeless=True)
 _gated_rms_norm_compiled = mx.compile(reference.gated_rms_norm, shapeless=True)
 register_switch("compiled_mixer", "prefill DeltaNet mixer: the q/k norms and gates, and the gated output norm, "
-                "each one mx.compile'd graph (fewer launches)", default_on=False)
+                "each one mx.compile'd graph (fewer launches)")
 
 
 def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
@@ -316,16 +317,25 @@ def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, sta
     Hv, Dv, C = A_log.shape[0], norm_weight.shape[0], conv_weight.shape[0]
     key_dim = (C - Hv * Dv) // 2
     Dk = key_dim // num_key_heads
-    qkv, z, b, a = mx.split(proj, [C, C + Hv * Dv, C + Hv * Dv + Hv], axis=-1)
-    if mask is not None:
-        qkv = mx.where(mask[..., None], qkv, 0)
-    conv_out, conv_state = causal_conv1d(qkv, conv_weight, conv_state, lengths=lengths)
-    q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    z = proj[..., C:C + Hv * Dv]
     compiled = enabled("compiled_mixer")
-    qk_gates = _deltanet_qk_gates_compiled if compiled else _deltanet_qk_gates
-    q, k, log_g, beta = qk_gates(q.reshape(B, T, num_key_heads, Dk), k.reshape(B, T, num_key_heads, Dk), a, b, A_log,
-                                 dt_bias, Dk**-0.5)
-    y, state = gated_delta(q, k, v.reshape(B, T, Hv, Dv), log_g, beta, state, mask)
+    # One launch up to the delta rule, its padding tokens already no-ops (right-padded rows: the composition).
+    prep = None if lengths is not None else _try("deltanet_prep", proj, conv_weight, conv_state, A_log, dt_bias,
+                                                 value_head_dim=Dv, num_key_heads=num_key_heads, mask=mask)
+    if prep is not None:
+        q, k, v, log_g, beta, conv_state = prep  # float32 q, k, v, gates
+        y, state = gated_delta(q, k, v, log_g, beta, state)
+        y = y.astype(proj.dtype)
+    else:
+        qkv, b, a = proj[..., :C], proj[..., C + Hv * Dv:C + Hv * Dv + Hv], proj[..., C + Hv * Dv + Hv:]
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_out, conv_state = causal_conv1d(qkv, conv_weight, conv_state, lengths=lengths)
+        q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+        qk_gates = _deltanet_qk_gates_compiled if compiled else _deltanet_qk_gates
+        q, k, log_g, beta = qk_gates(q.reshape(B, T, num_key_heads, Dk), k.reshape(B, T, num_key_heads, Dk), a, b,
+                                     A_log, dt_bias, Dk**-0.5)
+        y, state = gated_delta(q, k, v.reshape(B, T, Hv, Dv), log_g, beta, state, mask)
     norm = _gated_rms_norm_compiled if compiled else gated_rms_norm
     out = norm(y, z.reshape(B, T, Hv, Dv), norm_weight, eps)
     return out.reshape(B, T, Hv * Dv), conv_state, state
@@ -463,6 +473,7 @@ from . import attn_decode as _attn_decode  # noqa: E402,F401
 from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401
 from . import moe_sort as _moe_sort  # noqa: E402,F401
+from . import deltanet_prep as _deltanet_prep  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
