@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
-                    help="also time the whole prefill with each of these switches flipped, in the same process")
+                    help="also time the whole prefill with each of these switches flipped (a+b: both), in the same process")
     ap.add_argument("--whole-only", action="store_true", help="time the whole prefill only, not each part")
     ap.add_argument("--headroom", type=float, nargs="*", default=[2.0], metavar="GB",
                     help="also time each length with the run-ahead bounded at these headrooms (lily_mlx.memory)")
@@ -306,10 +306,13 @@ def main(argv=None) -> int:
         for n in args.dense_min_weights:
             with mock.patch.object(ops, "DENSE_DEQUANT_MIN_WEIGHTS", n):
                 row["flipped"][f"dense dequant from {n} weights"] = timed(f"  dense dequant from {n} weights")
-        for name in args.ab_switch:
-            on = not ops.enabled(name)
-            with ops.switched(name, on):
-                row["flipped"][f"{name} {'on' if on else 'off'}"] = timed(f"  {name} {'on' if on else 'off'}")
+        for names in args.ab_switch:  # a+b flips both
+            flips = [(name, not ops.enabled(name)) for name in names.split("+")]
+            label = " ".join(f"{name} {'on' if on else 'off'}" for name, on in flips)
+            with ops.disabled():  # restores every switch afterwards
+                for name, on in flips:
+                    ops.set_enabled(name, on)
+                row["flipped"][label] = timed(f"  {label}")
         if not args.whole_only:
             row["parts"] = part_times(model, T)
             print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)

@@ -225,7 +225,7 @@ class SparseMoeBlock(nn.Module):
         xn = x if norm is None else norm(x)
         logits = self.router(xn)
         E = logits.shape[-1] - 1
-        inds, scores = ops.moe_route(logits[..., :E], self.top_k, self.norm_topk_prob)  # [..., k]
+        inds, scores = ops.moe_route(logits, self.top_k, self.norm_topk_prob, E)  # [..., k]
         y = self.switch_mlp.combined(xn, inds, scores, x.dtype)  # [..., H]
         y = y + mx.sigmoid(logits[..., E:]) * self.shared_expert(xn)
         return y if residual is None else residual + y

@@ -416,9 +416,14 @@ def attention_decode_add(proj, q_norm_weight, k_norm_weight, eps: float, keys, v
     return quantized_matmul_add(attn, *o_proj, residual, group_size=group_size, bits=bits), k_new, v_new
 
 
-def moe_route(logits, top_k: int, normalize: bool):
-    """Router logits [..., E] -> (expert indices [..., k], weights [..., k] float32)."""
-    return reference.moe_route(logits, top_k, normalize)
+def moe_route(logits, top_k: int, normalize: bool, experts: Optional[int] = None):
+    """Router logits [..., E] (or the first `experts` columns of wider ones) -> (expert indices [..., k] uint32,
+    weights [..., k] float32): one launch where moe_route applies."""
+    experts = logits.shape[-1] if experts is None else experts
+    out = _try("moe_route", logits, top_k, normalize, experts)
+    if out is not None:
+        return out
+    return reference.moe_route(logits[..., :experts], top_k, normalize)
 
 
 def weighted_top_k(y, scores, dtype) -> mx.array:
@@ -474,6 +479,7 @@ from . import dequant as _dequant  # noqa: E402,F401
 from . import moe_gemm as _moe_gemm  # noqa: E402,F401
 from . import moe_sort as _moe_sort  # noqa: E402,F401
 from . import deltanet_prep as _deltanet_prep  # noqa: E402,F401
+from . import moe_router as _moe_router  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
