@@ -12,13 +12,13 @@ from lily_mlx import ops
 
 
 def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None,
-                    calls: Optional[list] = None) -> float:
+                    calls: Optional[list] = None, dtype=mx.bfloat16) -> float:
     """Relative error (L2) of the prefill logits with `switch` on against off. The switch's own kernel must run
     only when on; a switch that steers another `kernel` gets that kernel's calls as (on, kwargs) in `calls`."""
     import lily_mlx
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
-    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.bfloat16)
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=dtype)
     toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, tokens)))
     name = kernel or switch
     calls, real = [] if calls is None else calls, ops._kernels[name]

@@ -245,7 +245,7 @@ def _compiled_vs_plain(monkeypatch, dtype, exact: bool):
         mask = mx.arange(T)[None, :] >= mx.array([[0], [T // 3]])
         runs = []
         for on in (False, True):
-            with ops.switched("compiled_mixer", on):
+            with ops.disabled("deltanet_prep"), ops.switched("compiled_mixer", on):  # prep replaces the qk gates
                 runs.append(ops.deltanet_mix(*args, num_key_heads=2, eps=1e-6, mask=mask))
         for a, b in zip(*runs):
             if exact:
@@ -289,7 +289,7 @@ def test_compiled_mixer_takes_launches_out(monkeypatch, tmp_path):
     mx.eval(args[:-1])
     counts = []
     for on in (False, True):
-        with ops.switched("compiled_mixer", on):
+        with ops.disabled("deltanet_prep"), ops.switched("compiled_mixer", on):
             mx.export_to_dot(str(tmp_path / "g.dot"), *ops.deltanet_mix(*args, num_key_heads=16, eps=1e-6))
         nodes = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', (tmp_path / "g.dot").read_text())
         counts.append(sum(n not in views for n in nodes))

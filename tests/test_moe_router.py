@@ -90,9 +90,11 @@ def test_moe_route_metal():
 
 
 def _model_prefill_on_vs_off():
-    """The same experts and weights up to float rounding: the logits agree to rounding."""
-    err = prefill_rel_err("moe_route")
-    assert err < 1e-3, f"prefill logits with moe_route: rel err {err:.2e}"
+    """The same experts and weights up to float rounding: the logits agree to rounding. float32 activations: bf16
+    router logits tie often, and which of two tied experts is chosen is the reference's argpartition's choice (the
+    bf16 model measured 1.5e-3 on the H200, run 25)."""
+    err = prefill_rel_err("moe_route", dtype=mx.float32)
+    assert err < 1e-4, f"prefill logits with moe_route: rel err {err:.2e}"
 
 
 @pytest.mark.cuda

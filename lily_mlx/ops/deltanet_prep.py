@@ -4,7 +4,9 @@ From the fused input projection: the causal depthwise conv + SiLU (padding token
 scaled by Dk^-1/2), the gates log g and beta (zero at padding tokens, which makes them no-ops on the state) and
 the next conv state. The body is kernels/deltanet_prep.inc (CUDA and Metal); ops.deltanet_mix feeds its float32
 q, k, v and gates straight to the chunked delta rule. Where it does not apply (right-padded rows, other shapes),
-the dispatcher runs the composition. Switch "deltanet_prep", opt-in until its cuda tests pass.
+the dispatcher runs the composition. Switch "deltanet_prep": its cuda tests pass (H200 run 25), and whole prefills on
+vs off in one process took 60.8 vs 60.8 ms at 512 tokens, 91.8 vs 95.7 at 2048 and 379.8 vs 395.4 at 8192, the peak
+over the weights 1.01 vs 2.12 GB at 2048 (no float32 copy of the conv output and its casts).
 """
 
 from __future__ import annotations
@@ -125,4 +127,4 @@ def _dispatch(*args, **kwargs):
     return deltanet_prep(*args, backend=backend(), **kwargs)
 
 
-register_kernel("deltanet_prep", SPEC.description, _dispatch, default_on=False)
+register_kernel("deltanet_prep", SPEC.description, _dispatch)
