@@ -167,13 +167,14 @@ class SwitchGLU(nn.Module):
             y = mx.unflatten(y[inv_order], 0, indices.shape)
         return y.squeeze(-2)
 
-    def combined(self, x: mx.array, indices: mx.array, scores: mx.array, dtype) -> mx.array:
-        """sum_j scores[..., j] * self(x, indices)[..., j, :] -> [..., H] in dtype (float32 products and sum); sorted
-        rows go back to token order inside the weighted sum (ops.combine_sorted_experts)."""
+    def combined(self, x: mx.array, indices: mx.array, scores: mx.array, dtype, shared=None, residual=None) -> mx.array:
+        """sum_j scores[..., j] * self(x, indices)[..., j, :] -> [..., H] in dtype (float32 products and sum), then the
+        MoE block's tail (ops.moe_block_tail: shared = (hs, router logits), residual); sorted rows go back to token
+        order inside the weighted sum (ops.combine_sorted_experts)."""
         y, inv_order = self._experts(x, indices)
         if inv_order is None:
-            return ops.weighted_top_k(y.squeeze(-2), scores, dtype)
-        return ops.combine_sorted_experts(y.reshape(-1, y.shape[-1]), inv_order, scores, dtype)
+            return ops.moe_block_tail(ops.weighted_top_k(y.squeeze(-2), scores, dtype), shared, residual)
+        return ops.combine_sorted_experts(y.reshape(-1, y.shape[-1]), inv_order, scores, dtype, shared, residual)
 
     def _experts(self, x: mx.array, indices: mx.array) -> tuple[mx.array, Optional[mx.array]]:
         """The SwiGLU experts' rows: ([..., k, 1, H], None) in token order, or sorted by expert ([T * k, 1, H],
@@ -226,9 +227,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.router(xn)
         E = logits.shape[-1] - 1
         inds, scores = ops.moe_route(logits, self.top_k, self.norm_topk_prob, E)  # [..., k]
-        y = self.switch_mlp.combined(xn, inds, scores, x.dtype)  # [..., H]
-        y = y + mx.sigmoid(logits[..., E:]) * self.shared_expert(xn)
-        return y if residual is None else residual + y
+        return self.switch_mlp.combined(xn, inds, scores, x.dtype, (self.shared_expert(xn), logits), residual)
 
     def _projections(self):
         sw, se = self.switch_mlp, self.shared_expert

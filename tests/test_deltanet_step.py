@@ -310,7 +310,7 @@ def test_dispatch_cpu_fallback_and_lengths(monkeypatch):
         ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6, lengths=mx.array([1]))  # right padding: reference
         with pytest.raises(AssertionError, match="dispatched"):
             ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6)
-    with _switch(False):
+    with ops.disabled("deltanet_prep"), _switch(False):  # (no CUDA here for the prefill prologue either)
         ops.deltanet_decode_step(*args, num_key_heads=2, eps=1e-6)  # switched off: reference
 
 

@@ -97,3 +97,86 @@ def test_model_prefill_with_moe_combine_cuda():
 @pytest.mark.metal
 def test_model_prefill_with_moe_combine_metal():
     _model_prefill_on_vs_off()
+
+
+# ---- moe_combine_shared: the same launch ends the MoE block (the gated shared expert and the residual) -----------
+
+# (tokens, H, top-k, rows dtype, scores dtype, output dtype = hs = logits = residual, inv dtype, logit columns)
+SHARED_CASES = [(3, 200, 3, F32, BF16, BF16, mx.uint32, 9), (5, 512, 8, BF16, F32, BF16, mx.int32, 257),
+                (2, 96, 2, F16, F32, F32, mx.int32, 5), (4, 64, 4, F16, F32, F16, mx.int32, 17)]
+
+
+def _shared_case(tokens, H, k, ydt, sdt, odt, idt, columns, seed):
+    y, inv, scores = _case(tokens, H, k, ydt, sdt, idt, seed)
+    keys = mx.random.split(mx.random.key(seed + 100), 3)
+    hs = mx.random.normal((tokens, H), key=keys[0]).astype(odt)
+    logits = (2.0 * mx.random.normal((tokens, columns), key=keys[1])).astype(odt)
+    residual = mx.random.normal((tokens, H), key=keys[2]).astype(odt)
+    return y, inv, scores, hs, logits, residual
+
+
+def _check_shared(got, odt, y, inv, scores, hs, logits, residual):
+    """Against the composition the kernel replaces, in the same dtypes: the kernel rounds each step as it does, so
+    only a rounding of the float32 weighted sum can land the other way."""
+    assert got.dtype == odt and not mx.isnan(got.astype(F32)).any().item(), "unwritten (NaN) outputs"
+    with mx.stream(mx.cpu):
+        want = ops.moe_block_tail(reference.moe_combine(y, inv, scores, odt), (hs, logits), residual)
+    err = (mx.abs(got.astype(F32) - want.astype(F32)).max() / mx.abs(want.astype(F32)).max()).item()
+    assert err < (1e-6 if odt == F32 else 1.6e-2), f"max rel err {err:.2e}"  # 16-bit: at most one rounding step
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_shared_metal_emulated_matches_composition(tmp_path):
+    emu, cases = Emulator(tmp_path), []
+    for i, (tokens, H, k, ydt, sdt, odt, idt, columns) in enumerate(SHARED_CASES):
+        arrays = _shared_case(tokens, H, k, ydt, sdt, odt, idt, columns, i)
+        inst = mc.shared_instance(ydt, sdt, odt, tokens, H, k, columns, columns - 1, idt)
+        emu.add(mc.SHARED_SPEC, inst, list(arrays), (tokens * mc.THREADS, 1, 1), (mc.THREADS, 1, 1), [(tokens, H)])
+        cases.append((odt, arrays))
+    for (odt, arrays), (got,) in zip(cases, emu.run()):
+        _check_shared(got, odt, *arrays)
+
+
+def test_shared_declines_bad_arguments():
+    y, inv, scores, hs, logits, residual = _shared_case(3, 64, 2, BF16, F32, BF16, mx.int32, 9, 0)
+    why = mc.unsupported_shared
+    assert why(y, inv, scores, BF16, hs, logits, residual, 8) is None
+    assert "hs" in why(y, inv, scores, BF16, hs[:2], logits, residual, 8)
+    assert "gate column" in why(y, inv, scores, BF16, hs, logits, residual, 9)
+    assert "dtypes" in why(y, inv, scores, BF16, hs.astype(F32), logits, residual, 8)
+
+
+def _gpu_shared(backend):
+    for i, (tokens, H, k, ydt, sdt, odt, idt, columns) in enumerate(
+            SHARED_CASES + [(2048, 2048, 8, BF16, F32, BF16, mx.int32, 257)]):
+        arrays = _shared_case(tokens, H, k, ydt, sdt, odt, idt, columns, i)
+        y, inv, scores, hs, logits, residual = arrays
+        got = mc.combine_shared(y, inv, scores, odt, hs, logits, residual, columns - 1, backend=backend,
+                                init_value=float("nan"))
+        _check_shared(got, odt, *arrays)
+
+
+@pytest.mark.cuda
+def test_moe_combine_shared_cuda():
+    _gpu_shared("cuda")
+
+
+@pytest.mark.metal
+def test_moe_combine_shared_metal():
+    _gpu_shared("metal")
+
+
+def _model_prefill_shared_on_vs_off():
+    """The MoE block's end in one launch: the same roundings, so the logits agree to a rounding step here and there."""
+    err = prefill_rel_err("moe_combine_shared")
+    assert err < 1e-2, f"prefill logits with moe_combine_shared: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_combine_shared_cuda():
+    _model_prefill_shared_on_vs_off()
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_combine_shared_metal():
+    _model_prefill_shared_on_vs_off()

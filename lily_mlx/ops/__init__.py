@@ -431,11 +431,28 @@ def weighted_top_k(y, scores, dtype) -> mx.array:
     return reference.weighted_top_k(y, scores, dtype)
 
 
-def combine_sorted_experts(y, inv_order, scores, dtype) -> mx.array:
+def combine_sorted_experts(y, inv_order, scores, dtype, shared=None, residual=None) -> mx.array:
     """Sorted expert rows y [R, H], inv_order [R], scores [..., k] -> the weighted sum over the top-k [..., H] in
-    dtype: one launch where the kernel applies (moe_combine), else the unsort gather and a float32 weighted sum."""
+    dtype: one launch where the kernel applies (moe_combine), else the unsort gather and a float32 weighted sum.
+    shared (hs [..., H], logits [..., E + 1]) and residual [..., H] add the MoE block's tail (moe_block_tail), in the
+    same launch where moe_combine_shared applies."""
+    if shared is not None and residual is not None:
+        hs, logits = shared
+        out = _try("moe_combine_shared", y, inv_order, scores, dtype, hs, logits, residual, logits.shape[-1] - 1)
+        if out is not None:
+            return out
     out = _try("moe_combine", y, inv_order, scores, dtype)
-    return out if out is not None else reference.moe_combine(y, inv_order, scores, dtype)
+    out = out if out is not None else reference.moe_combine(y, inv_order, scores, dtype)
+    return moe_block_tail(out, shared, residual)
+
+
+def moe_block_tail(y, shared=None, residual=None) -> mx.array:
+    """The routed experts' sum y [..., H], plus the shared expert's output hs gated by sigmoid(logits[..., E]) where
+    shared = (hs, logits [..., E + 1]), plus the residual where given."""
+    if shared is not None:
+        hs, logits = shared
+        y = y + mx.sigmoid(logits[..., -1:]) * hs
+    return y if residual is None else residual + y
 
 
 def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, shared_up, shared_down, *,

@@ -56,6 +56,51 @@ def combine(y, inv_order, scores, dtype, *, backend: str, init_value: Optional[f
     return out.reshape(*scores.shape[:-1], H)
 
 
+def unsupported_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column: int) -> Optional[str]:
+    """Why moe_combine_shared does not apply (None when it does)."""
+    why = unsupported(y, inv_order, scores, dtype)
+    if why is not None:
+        return why
+    lead = (*scores.shape[:-1], y.shape[-1])
+    if hs.shape != lead or residual.shape != lead:
+        return f"hs {hs.shape}, residual {residual.shape}: {lead} expected"
+    if logits.shape[:-1] != scores.shape[:-1] or not 0 <= gate_column < logits.shape[-1]:
+        return f"logits {logits.shape}: the gate column {gate_column} of [..., LS] a token expected"
+    if not hs.dtype == residual.dtype == logits.dtype == dtype:
+        return f"dtypes: hs {hs.dtype}, residual {residual.dtype}, logits {logits.dtype} and the output {dtype} must agree"
+    return None
+
+
+def shared_instance(y_dtype, score_dtype, out_dtype, tokens: int, H: int, top_k: int, columns: int, gate_column: int,
+                    inv_dtype=mx.int32) -> kernels.Instance:
+    base = instance(y_dtype, score_dtype, out_dtype, tokens, H, top_k, inv_dtype)
+    inputs = base.inputs + ((out_dtype, (tokens, H)), (out_dtype, (tokens, columns)), (out_dtype, (tokens, H)))
+    return kernels.Instance(base.template + (("LS", columns), ("E", gate_column)), inputs, base.output_dtypes)
+
+
+def combine_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column: int, *, backend: str,
+                   init_value: Optional[float] = None) -> Optional[mx.array]:
+    """combine(...) and the MoE block's tail in the same launch: residual + (the weighted sum + sigmoid(logits[...,
+    gate_column]) * hs), [..., H] in dtype, or None when the kernel does not apply."""
+    if unsupported_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column) is not None:
+        return None
+    k, H, columns = scores.shape[-1], y.shape[-1], logits.shape[-1]
+    tokens = scores.size // k
+    inst = shared_instance(y.dtype, scores.dtype, dtype, tokens, H, k, columns, gate_column, inv_order.dtype)
+    inputs = [y, inv_order.reshape(-1), scores.reshape(tokens, k), hs.reshape(tokens, H),
+              logits.reshape(tokens, columns), residual.reshape(tokens, H)]
+    out = kernels.call("moe_combine_shared", backend, inputs, list(inst.template), (tokens * THREADS, 1, 1),
+                       (THREADS, 1, 1), [(tokens, H)], [dtype], init_value)[0]
+    return out.reshape(*scores.shape[:-1], H)
+
+
+def _shared_instances() -> list[kernels.Instance]:
+    insts = [shared_instance(d, mx.float32, d, 2048, 2048, 8, 257, 256) for d in (mx.bfloat16, mx.float16, mx.float32)]
+    insts.append(shared_instance(mx.float32, mx.bfloat16, mx.bfloat16, 3, 200, 3, 9, 8, mx.uint32))
+    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_combine_shared", i.template,
+                                                                                      i.inputs, i.output_dtypes))
+
+
 def _instances() -> list[kernels.Instance]:
     insts = [instance(mx.bfloat16, mx.float32, mx.bfloat16, 2048, 2048, 8), instance(mx.float16, mx.float32, mx.float16, 2048, 2048, 8),
              instance(mx.float32, mx.float32, mx.float32, 2048, 2048, 8), instance(mx.bfloat16, mx.bfloat16, mx.float32, 3, 200, 3, mx.uint32)]
@@ -71,6 +116,14 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
+SHARED_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_combine_shared", body="moe_combine.inc", input_names=("y", "inv", "scores", "hs", "logits", "residual"),
+    output_names=("out",), template_params=SPEC_PARAMS + ("LS", "E"),
+    description="prefill MoE block's end: moe_combine, the sigmoid-gated shared expert and the residual in one launch",
+    instances=_shared_instances, defines=("LILY_COMBINE_SHARED",),
+))
+
+
 def _dispatch(y, inv_order, scores, dtype):
     from . import backend
 
@@ -78,3 +131,12 @@ def _dispatch(y, inv_order, scores, dtype):
 
 
 register_kernel("moe_combine", SPEC.description, _dispatch)
+
+
+def _dispatch_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column):
+    from . import backend
+
+    return combine_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column, backend=backend())
+
+
+register_kernel("moe_combine_shared", SHARED_SPEC.description, _dispatch_shared, default_on=False)
