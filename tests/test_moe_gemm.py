@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lily_mlx import ops
+from lily_mlx.ops import kernels
 from lily_mlx.ops import moe_gemm as mg
 from lily_mlx.ops import reference
 from emulator import GXX, Emulator
@@ -333,3 +334,34 @@ def test_model_prefill_with_moe_gemm_cuda():
 @pytest.mark.metal
 def test_model_prefill_with_moe_gemm_metal():
     _model_prefill_on_vs_off()
+
+
+def test_bounded_variant_carries_launch_bounds():
+    """moe_gemm_bounded is the default body built for 3 resident blocks an SM: its CUDA source differs from the
+    default's by the __global__ line's launch bounds only (a Metal build has none)."""
+    inst = mg.SPEC.instances()[0]
+    default = kernels.full_source(mg.SPEC, "cuda", inst)[1]
+    bounded = kernels.full_source(mg.BOUNDED_SPEC, "cuda", inst)[1]
+    bounds = "#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, 3)\n"
+    assert bounds not in default and bounded.replace(bounds, "").replace("moe_gemm_bounded", "moe_gemm") == default
+    assert "launch_bounds" not in kernels.full_source(mg.BOUNDED_SPEC, "metal", inst)[1]
+
+
+def _model_prefill_bounded_on_vs_off(monkeypatch):
+    """The same body under launch bounds: the same arithmetic, so the same logits, and the bounded build launched
+    only when on."""
+    launched, real = [], kernels.call
+    monkeypatch.setattr(kernels, "call", lambda name, *a, **k: launched.append(name) or real(name, *a, **k))
+    err = prefill_rel_err("moe_gemm_bounded", kernel="moe_gemm")
+    assert "moe_gemm_bounded" in launched and "moe_gemm" in launched
+    assert err < 1e-6, f"prefill logits with moe_gemm_bounded: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_model_prefill_with_moe_gemm_bounded_cuda(monkeypatch):
+    _model_prefill_bounded_on_vs_off(monkeypatch)
+
+
+@pytest.mark.metal
+def test_model_prefill_with_moe_gemm_bounded_metal(monkeypatch):
+    _model_prefill_bounded_on_vs_off(monkeypatch)

@@ -87,6 +87,9 @@ class KernelSpec:
     description: str
     instances: Callable[[], list[Instance]]  # the instantiations the project uses (compile checks)
     defines: tuple[str, ...] = ()  # LILY_* names whose #ifdef blocks of the body this kernel keeps
+    # CUDA __launch_bounds__(threads, min blocks an SM): MLX writes the __global__ line itself, so the header
+    # redefines __global__ to carry them (ptxas then caps the registers for that many resident blocks).
+    cuda_launch_bounds: tuple[int, ...] = ()
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -231,11 +234,20 @@ def body(spec: KernelSpec, backend: str) -> str:
     return read_source(f"entry_{backend}.inc") + "\n" + select_blocks(read_source(spec.body), spec.defines)
 
 
+def spec_header(spec: KernelSpec, backend: str, src: str) -> str:
+    """header(backend, src), with the spec's CUDA launch bounds last."""
+    hdr = header(backend, src)
+    if backend == "cuda" and spec.cuda_launch_bounds:
+        bounds = ", ".join(str(b) for b in spec.cuda_launch_bounds)
+        hdr += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({bounds})\n"
+    return hdr
+
+
 def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, str]:
     """(kernel name, the complete source MLX compiles for this instance on `backend`)."""
     write = metal_source.cuda_source if backend == "cuda" else metal_source.metal_source
     src = body(spec, backend)
-    return write(spec.name, spec.input_names, spec.output_names, src, header(backend, src),
+    return write(spec.name, spec.input_names, spec.output_names, src, spec_header(spec, backend, src),
                  inst.inputs, inst.output_dtypes, inst.template)
 
 
@@ -280,7 +292,7 @@ def build(name: str, backend: str, via_files: bool = False, shared_memory: int =
     with its source in #included files, and `shared_memory` bytes of dynamic shared memory a launch)."""
     spec = SPECS[name]
     src = body(spec, backend)
-    hdr = header(backend, src)
+    hdr = spec_header(spec, backend, src)
     if backend == "cuda":
         folder = source_dir() if via_files else None
         if folder is not None:
