@@ -52,6 +52,14 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
+# experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
+# stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).
+python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
+for dt in bfloat16 float32; do
+  step 60 200 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
+    --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
+done
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
@@ -68,13 +76,6 @@ step 60 ${PREFILL_CAP:-300} "prefill by length, defaults vs ${PREFILL_VARIANTS:-
 # hypervisor's CPU steal: the A/B rows' spread has so far been the VM's (BENCHMARKS.md).
 step 100 200 "A/B matrix" python3 -m bench.ab --model "$model" ${AB_ARGS:--p 512 2048 -g 64 -n 3} --arms stock,lily \
   --no-progress --json "$res/ab.json" --markdown "$res/ab.md" --plot "$res/ab.png"
-# Issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit experts at 512 tokens x 8):
-# stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, float32 and bf16 (as stored).
-python3 -c 'import json, pathlib; r = [json.loads(l) for l in pathlib.Path("lily_mlx/assets/corpus/stdlib_docstrings.jsonl").read_text().splitlines()]; pathlib.Path("/tmp/docs.txt").write_text("\n\n".join(x["doc"] for x in r[-400:]))'
-for dt in bfloat16 float32; do
-  step 60 150 "perplexity, embedded 4-bit, $dt" python3 -m bench.perplexity --model embedded-4bit --text /tmp/docs.txt \
-    --context-length 512 --max-tokens 16384 --compare --dtype "$dt" --json "$res/perplexity_$dt.json"
-done
 # Where a 2048-token (PARTS_TOKENS) prefill's time goes now, part by part (the next kernel to write for issue 5).
 step 60 120 "prefill parts at ${PARTS_TOKENS:-2048} tokens" python3 -m bench.profile_prefill --model "$model" \
   --tokens ${PARTS_TOKENS:-2048} --no-bounded \
