@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -250,10 +251,10 @@ def dequant_row(d):
     return (lambda i: ops.dequantize(w, s, b, group_size=GROUP, bits=4, dtype=BF16)), nbytes, 1
 
 
-def moe_gemm_row(d, down: bool = False):
-    """Every routed expert's gate (or down) projection on a 2048-token prefill's sorted rows (16,384 at top-8),
-    against dequantize + MLX's grouped GEMM: bytes are the codes read once and x read and y written once."""
-    E, I, H, rows = d["E"], d["I"], d["H"], d["prefill_rows"]
+def moe_gemm_row(d, down: bool = False, rows: Optional[int] = None):
+    """Every routed expert's gate (or down) projection on a 2048-token prefill's sorted rows (16,384 at top-8, or
+    `rows`), against dequantize + MLX's grouped GEMM: bytes are the codes read once and x read and y written once."""
+    E, I, H, rows = d["E"], d["I"], d["H"], rows or d["prefill_rows"]
     K, N = (I, H) if down else (H, I)
     w, s, b = _quant((E, N, K), 10)
     idx = mx.sort(mx.random.randint(0, E, (rows,), key=mx.random.key(11))).astype(mx.uint32)
@@ -264,15 +265,52 @@ def moe_gemm_row(d, down: bool = False):
                                         sorted_indices=True)), nbytes, 1
 
 
-def combine_row(d):
-    """A 2048-token prefill's expert rows (16,384 at top-8, sorted by expert) back in token order, weighted and summed:
-    bytes are the rows read once and the output written once."""
+def _combine_inputs(d):
+    """A 2048-token prefill's expert rows (16,384 at top-8, sorted by expert), their token order and scores."""
     E, H, rows, k = d["E"], d["H"], d["prefill_rows"], d["K"]
     y = (mx.random.normal((rows, H), key=mx.random.key(13)) * 0.5).astype(BF16)
     inv = mx.argsort(mx.random.randint(0, E, (rows,), key=mx.random.key(14)))
     scores = mx.softmax(mx.random.normal((rows // k, k), key=mx.random.key(15)), axis=-1)
     mx.eval(y, inv, scores)
-    return (lambda i: ops.combine_sorted_experts(y, inv, scores, BF16)), 2 * rows * H + 2 * rows // k * H, 1
+    return y, inv, scores
+
+
+def combine_row(d):
+    """The rows back in token order, weighted and summed: bytes are the rows read once and the output written once."""
+    y, inv, scores = _combine_inputs(d)
+    T, H = scores.shape[0], y.shape[1]
+    return (lambda i: ops.combine_sorted_experts(y, inv, scores, BF16)), 2 * y.size + 2 * T * H, 1
+
+
+def combine_shared_row(d):
+    """combine_row's rows and the MoE block's end (the sigmoid-gated shared expert, the residual): bytes are the rows,
+    the shared expert's output and the residual read once and the output written once."""
+    y, inv, scores = _combine_inputs(d)
+    T, H, E = scores.shape[0], y.shape[1], d["E"]
+    hs, res = (mx.random.normal((T, H), key=mx.random.key(s)).astype(BF16) for s in (16, 17))
+    logits = mx.random.normal((T, E + 1), key=mx.random.key(18)).astype(BF16)
+    mx.eval(hs, res, logits)
+    nbytes = 2 * y.size + 2 * T * H + 2 * 2 * T * H + 2 * T * (E + 1)
+    return (lambda i: ops.combine_sorted_experts(y, inv, scores, BF16, (hs, logits), res)), nbytes, 1
+
+
+def mixer_row(d):
+    """The prefill DeltaNet mixer of one layer (T tokens) after its input projection, deltanet_prep's prologue against
+    the composition: bytes are the projection read, the output written and the float32 state read and written."""
+    Hk, Hv, Dk, Dv, T, W = d["Hk"], d["Hv"], d["Dk"], d["Dv"], d["T"], d["W"]
+    C = 2 * Hk * Dk + Hv * Dv
+    keys = mx.random.split(mx.random.key(19), 6)
+    proj = mx.random.normal((1, T, C + Hv * Dv + 2 * Hv), key=keys[0]).astype(BF16)
+    conv_w = (mx.random.normal((C, W, 1), key=keys[1]) * 0.5).astype(BF16)
+    conv_state = mx.random.normal((1, W - 1, C), key=keys[2]).astype(BF16)
+    A_log = mx.random.uniform(-1.0, 1.0, (Hv,), key=keys[3])
+    dt_bias = mx.random.normal((Hv,), key=keys[4]).astype(BF16)
+    norm_w = mx.ones((Dv,), dtype=BF16)
+    state = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=keys[5])
+    mx.eval(proj, conv_w, conv_state, A_log, dt_bias, norm_w, state)
+    nbytes = 2 * proj.size + 2 * T * Hv * Dv + 2 * 4 * state.size
+    return (lambda i: ops.deltanet_mix(proj, conv_w, conv_state, A_log, dt_bias, norm_w, state, num_key_heads=Hk,
+                                       eps=1e-6)), nbytes, 1
 
 
 def intra_row(d):
@@ -319,7 +357,13 @@ OP_ROWS = [
     ("moe_gemm", "experts' gate projection, a 2048-token prefill's sorted rows (vs dequantize + grouped GEMM)", moe_gemm_row),
     ("moe_gemm", "experts' down projection, the same rows", lambda d: moe_gemm_row(d, down=True)),
     ("moe_gemm_staged", "experts' gate projection, the staged variant (vs the default body)", moe_gemm_row),
+    ("moe_gemm_bounded", "experts' down projection, a 512-token prefill's 4096 rows, 3 blocks an SM (vs the "
+     "default body)", lambda d: moe_gemm_row(d, down=True, rows=d["prefill_rows"] // 4)),
     ("moe_combine", "the experts' rows back in token order, weighted and summed (vs unsort + sum)", combine_row),
+    ("moe_combine_shared", "moe_combine and the MoE block's end: gated shared expert, residual (vs moe_combine + 3 ops)",
+     combine_shared_row),
+    ("deltanet_prep", "prefill DeltaNet mixer, one layer, T tokens (its prologue in one launch vs the composition)",
+     mixer_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
     ("dequant_rows", "embedding lookup, 1 token (vs MLX's gathers + dequantize)", embed_row),
 ]
