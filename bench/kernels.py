@@ -360,8 +360,8 @@ OP_ROWS = [
     ("moe_gemm_bounded", "experts' down projection, a 512-token prefill's 4096 rows, 3 blocks an SM (vs the "
      "default body)", lambda d: moe_gemm_row(d, down=True, rows=d["prefill_rows"] // 4)),
     ("moe_combine", "the experts' rows back in token order, weighted and summed (vs unsort + sum)", combine_row),
-    ("moe_combine_shared", "moe_combine and the MoE block's end: gated shared expert, residual (vs moe_combine + 3 ops)",
-     combine_shared_row),
+    ("moe_combine_shared", "moe_combine and the MoE block's end: gated shared expert, residual (vs moe_combine "
+     "+ 3 ops)", combine_shared_row),
     ("deltanet_prep", "prefill DeltaNet mixer, one layer, T tokens (its prologue in one launch vs the composition)",
      mixer_row),
     ("qmv_attn", "attention + o_proj + residual, 256 cached (vs attn_combine + qmv)", attn_oproj_row),
