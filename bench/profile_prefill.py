@@ -253,7 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
-                    help="also time the whole prefill with each of these switches flipped (a+b: both), in the same process")
+                    help="also time the whole prefill with each of these switches flipped (a+b: both), in the same "
+                         "process")
     ap.add_argument("--whole-only", action="store_true", help="time the whole prefill only, not each part")
     ap.add_argument("--headroom", type=float, nargs="*", default=[2.0], metavar="GB",
                     help="also time each length with the run-ahead bounded at these headrooms (lily_mlx.memory)")

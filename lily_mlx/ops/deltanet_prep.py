@@ -105,7 +105,8 @@ def _instances() -> list[kernels.Instance]:
     combos = []
     for heads in MODEL_HEADS:
         for masked in (False, True):
-            combos += [(f32, f32, f32, f32, 1, 64, *heads, 4, masked), (bf16, bf16, f32, bf16, 1, 64, *heads, 4, masked),
+            combos += [(f32, f32, f32, f32, 1, 64, *heads, 4, masked),
+                       (bf16, bf16, f32, bf16, 1, 64, *heads, 4, masked),
                        (f16, f16, f32, f16, 1, 64, *heads, 4, masked)]
     for heads in TEST_HEADS:
         combos += [(f32, f32, f32, f32, 3, 65, *heads, 4, False), (bf16, f32, bf16, f32, 3, 65, *heads, 3, True)]
