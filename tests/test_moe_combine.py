@@ -167,9 +167,12 @@ def test_moe_combine_shared_metal():
 
 
 def _model_prefill_shared_on_vs_off():
-    """The MoE block's end in one launch: the same roundings, so the logits agree to a rounding step here and there."""
-    err = prefill_rel_err("moe_combine_shared")
-    assert err < 1e-2, f"prefill logits with moe_combine_shared: rel err {err:.2e}"
+    """The MoE block's end in one launch, in the float32 model: nothing to round, so the logits agree to float32 sums.
+    Not the bf16 model: a one-ulp change in 2.4% of one block's bf16 outputs (CPU's sigmoid rounding against the
+    float one) moved its 300-token prefill logits 2.6e-2 on the CPU, so a bf16 bound there measures the model's
+    sensitivity, not the kernel (run 27: 1.14e-2 against 1e-2). The kernel cases above check the bf16 roundings."""
+    err = prefill_rel_err("moe_combine_shared", dtype=mx.float32)
+    assert err < 1e-4, f"prefill logits with moe_combine_shared: rel err {err:.2e}"
 
 
 @pytest.mark.cuda
