@@ -16,18 +16,10 @@ from typing import Optional
 import mlx.core as mx
 
 from . import kernels, register_kernel
-from .deltanet_step import ACT_DTYPES, MAX_CONV_WIDTH, MAX_HEAD_DIM
+from .deltanet_step import ACT_DTYPES, MAX_CONV_WIDTH, MAX_HEAD_DIM, split_heads
 
 WARPS = 8
 SPEC_PARAMS = ("T", "TW", "TA", "TD", "HK", "HV", "DK", "DV", "W", "WARPS", "MASKED")
-
-
-def split_heads(proj, conv_weight, A_log, Dv: int, num_key_heads: int) -> Optional[tuple[int, int, int, int]]:
-    """(Hk, Hv, Dk, C) implied by the fused projection [qkv (C) | z (Hv*Dv) | b (Hv) | a (Hv)], or None."""
-    Hk, Hv, C = num_key_heads, A_log.shape[0], conv_weight.shape[0]
-    if Hk <= 0 or Hv % Hk or C <= Hv * Dv or (C - Hv * Dv) % (2 * Hk) or proj.shape[-1] != C + Hv * Dv + 2 * Hv:
-        return None
-    return Hk, Hv, (C - Hv * Dv) // (2 * Hk), C
 
 
 def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, Dv: int, num_key_heads: int, mask=None) -> Optional[str]:
@@ -36,7 +28,7 @@ def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, Dv: int, num_key_
     if heads is None or proj.shape[1] < 1:
         return f"shapes: proj [B, T, C + Hv*Dv + 2*Hv] with {num_key_heads} key heads expected, got {proj.shape}"
     B, L, P = proj.shape
-    Hk, Hv, Dk, C = heads
+    Hk, Hv, Dk, _, C = heads
     if not (1 <= Dk <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
         return f"head dims Dk={Dk}, Dv={Dv} beyond {MAX_HEAD_DIM}"
     if conv_weight.ndim != 3 or conv_weight.shape[2] != 1 or not 2 <= conv_weight.shape[1] <= MAX_CONV_WIDTH:
@@ -80,13 +72,13 @@ def deltanet_prep(proj, conv_weight, conv_state, A_log, dt_bias, *, value_head_d
         plan = None
         if unsupported(*args, value_head_dim, num_key_heads, mask) is None:
             heads = split_heads(proj, conv_weight, A_log, value_head_dim, num_key_heads)
-            inst = instance(proj.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, *proj.shape[:2], *heads[:3],
-                            value_head_dim, conv_weight.shape[1], mask is not None)
+            inst = instance(proj.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, *proj.shape[:2], *heads[:4],
+                            conv_weight.shape[1], mask is not None)
             plan = (list(inst.template), heads)
         _LAUNCH[key] = plan
     if plan is None:
         return None
-    template, (Hk, Hv, Dk, _) = plan
+    template, (Hk, Hv, Dk, _, _) = plan
     B, L, _ = proj.shape
     f32 = mx.float32
     shapes = [(B, L, Hk, Dk), (B, L, Hk, Dk), (B, L, Hv, value_head_dim), (B, L, Hv), (B, L, Hv), conv_state.shape]

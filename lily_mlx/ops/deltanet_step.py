@@ -31,9 +31,9 @@ def plan(Dk: int, Dv: int) -> dict:
     return {"WARPS": warps, "RB": rb}
 
 
-def split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads: int) -> Optional[tuple[int, int, int, int, int]]:
+def split_heads(proj, conv_weight, A_log, Dv: int, num_key_heads: int) -> Optional[tuple[int, int, int, int, int]]:
     """(Hk, Hv, Dk, Dv, C) implied by the fused projection [qkv (C) | z (Hv*Dv) | b (Hv) | a (Hv)], or None."""
-    Hk, Hv, Dv, C = num_key_heads, A_log.shape[0], norm_weight.shape[0], conv_weight.shape[0]
+    Hk, Hv, C = num_key_heads, A_log.shape[0], conv_weight.shape[0]
     if Hk <= 0 or Hv % Hk or (C - Hv * Dv) % (2 * Hk) or C <= Hv * Dv or proj.shape[-1] != C + Hv * Dv + 2 * Hv:
         return None
     return Hk, Hv, (C - Hv * Dv) // (2 * Hk), Dv, C
@@ -42,7 +42,7 @@ def split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads: int) -> Op
 def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
                 mask=None) -> Optional[str]:
     """Why the kernel does not apply to these arguments (None when it does)."""
-    heads = split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads)
+    heads = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
     if proj.ndim != 3 or proj.shape[1] != 1 or heads is None:
         return f"shapes: proj [B, 1, C + Hv*Dv + 2*Hv] expected, got {proj.shape}"
     B = proj.shape[0]
@@ -96,7 +96,7 @@ def _launch(args, num_key_heads, eps, mask, launch):
     out = None
     if unsupported(*args, num_key_heads, eps, mask) is None:
         proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
-        Hk, Hv, Dk, Dv, _ = split_heads(proj, conv_weight, A_log, norm_weight, num_key_heads)
+        Hk, Hv, Dk, Dv, _ = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
         p = launch or plan(Dk, Dv)
         inst = instance(proj.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, proj.shape[0],
                         Hk, Hv, Dk, Dv, conv_weight.shape[1], mask is not None, eps, p)
