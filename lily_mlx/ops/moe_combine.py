@@ -48,11 +48,18 @@ def combine(y, inv_order, scores, dtype, *, backend: str, init_value: Optional[f
     if unsupported(y, inv_order, scores, dtype) is not None:
         return None
     k, H = scores.shape[-1], y.shape[-1]
+    inst = instance(y.dtype, scores.dtype, dtype, scores.size // k, H, k, inv_order.dtype)
+    return _launch("moe_combine", inst, y, inv_order, scores, (), dtype, backend, init_value)
+
+
+def _launch(name: str, inst: kernels.Instance, y, inv_order, scores, per_token, dtype, backend: str,
+            init_value: Optional[float]) -> mx.array:
+    """One block a token over [y, inv, scores] and the per-token arrays [..., *] -> [..., H] in dtype."""
+    k, H = scores.shape[-1], y.shape[-1]
     tokens = scores.size // k
-    inst = instance(y.dtype, scores.dtype, dtype, tokens, H, k, inv_order.dtype)
-    out = kernels.call("moe_combine", backend, [y, inv_order.reshape(-1), scores.reshape(tokens, k)],
-                       list(inst.template), (tokens * THREADS, 1, 1), (THREADS, 1, 1), [(tokens, H)], [dtype],
-                       init_value)[0]
+    inputs = [y, inv_order.reshape(-1), scores.reshape(tokens, k)] + [a.reshape(tokens, a.shape[-1]) for a in per_token]
+    out = kernels.call(name, backend, inputs, list(inst.template), (tokens * THREADS, 1, 1), (THREADS, 1, 1),
+                       [(tokens, H)], [dtype], init_value)[0]
     return out.reshape(*scores.shape[:-1], H)
 
 
@@ -67,7 +74,8 @@ def unsupported_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_c
     if logits.shape[:-1] != scores.shape[:-1] or not 0 <= gate_column < logits.shape[-1]:
         return f"logits {logits.shape}: the gate column {gate_column} of [..., LS] a token expected"
     if not hs.dtype == residual.dtype == logits.dtype == dtype:
-        return f"dtypes: hs {hs.dtype}, residual {residual.dtype}, logits {logits.dtype} and the output {dtype} must agree"
+        return (f"dtypes: hs {hs.dtype}, residual {residual.dtype}, logits {logits.dtype} and the output {dtype} "
+                "must agree")
     return None
 
 
@@ -84,21 +92,18 @@ def combine_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_colum
     gate_column]) * hs), [..., H] in dtype, or None when the kernel does not apply."""
     if unsupported_shared(y, inv_order, scores, dtype, hs, logits, residual, gate_column) is not None:
         return None
-    k, H, columns = scores.shape[-1], y.shape[-1], logits.shape[-1]
-    tokens = scores.size // k
-    inst = shared_instance(y.dtype, scores.dtype, dtype, tokens, H, k, columns, gate_column, inv_order.dtype)
-    inputs = [y, inv_order.reshape(-1), scores.reshape(tokens, k), hs.reshape(tokens, H),
-              logits.reshape(tokens, columns), residual.reshape(tokens, H)]
-    out = kernels.call("moe_combine_shared", backend, inputs, list(inst.template), (tokens * THREADS, 1, 1),
-                       (THREADS, 1, 1), [(tokens, H)], [dtype], init_value)[0]
-    return out.reshape(*scores.shape[:-1], H)
+    k = scores.shape[-1]
+    inst = shared_instance(y.dtype, scores.dtype, dtype, scores.size // k, y.shape[-1], k, logits.shape[-1],
+                           gate_column, inv_order.dtype)
+    return _launch("moe_combine_shared", inst, y, inv_order, scores, (hs, logits, residual), dtype, backend,
+                   init_value)
 
 
 def _shared_instances() -> list[kernels.Instance]:
     insts = [shared_instance(d, mx.float32, d, 2048, 2048, 8, 257, 256) for d in (mx.bfloat16, mx.float16, mx.float32)]
     insts.append(shared_instance(mx.float32, mx.bfloat16, mx.bfloat16, 3, 200, 3, 9, 8, mx.uint32))
-    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name("moe_combine_shared", i.template,
-                                                                                      i.inputs, i.output_dtypes))
+    return kernels.unique_instances(insts, key=lambda i: metal_source.metal_kernel_name(
+        "moe_combine_shared", i.template, i.inputs, i.output_dtypes))
 
 
 def _instances() -> list[kernels.Instance]:
