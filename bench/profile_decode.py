@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,21 +46,24 @@ def step_times(model, context: int, steps: int, vocab: int) -> dict:
         tok = mx.argmax(dec(tok), axis=-1)[:, None]
         mx.eval(tok)
     sync = (time.perf_counter() - t0) / steps
-    dispatch = []
+    dispatch, dispatch_cpu = [], []
     t0 = time.perf_counter()
     nxt = mx.argmax(dec(tok), axis=-1)[:, None]
     mx.async_eval(nxt)
     for _ in range(steps):  # as generate_step: the next step is dispatched before waiting on this one
         cur = nxt
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         nxt = mx.argmax(dec(cur), axis=-1)[:, None]
         mx.async_eval(nxt)
         dispatch.append(time.perf_counter() - t1)
+        dispatch_cpu.append(time.thread_time() - c1)
         mx.eval(cur)
     mx.eval(nxt)
     piped = (time.perf_counter() - t0) / (steps + 1)
     return {"context": context, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "tok_s": 1 / piped,
-            "dispatch_ms": 1e3 * statistics.median(dispatch)}
+            "dispatch_ms": 1e3 * statistics.median(dispatch),
+            # This thread's CPU time for the same dispatch: what the VM's steal and preemption leave out of the wall figure.
+            "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
 
 
 def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: int = 7) -> dict:
@@ -80,22 +84,29 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
         decoders[on] = dec
     if decoders[True]._fn is decoders[False]._fn:
         raise RuntimeError(f"switch {name}: both settings share one compiled step, so the A/B would time one graph")
-    times = {True: [], False: []}
+    times, cpu = {True: [], False: []}, {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             dec, tok = decoders[on], mx.array([[1]])
             t0 = time.perf_counter()
             nxt = mx.argmax(dec(tok), axis=-1)[:, None]
             mx.async_eval(nxt)
+            dispatch_cpu = []
             for _ in range(steps):
                 cur = nxt
+                c0 = time.thread_time()
                 nxt = mx.argmax(dec(cur), axis=-1)[:, None]
                 mx.async_eval(nxt)
+                dispatch_cpu.append(time.thread_time() - c0)
                 mx.eval(cur)
             mx.eval(nxt)
             times[on].append(1e3 * (time.perf_counter() - t0) / (steps + 1))
+            cpu[on].append(1e3 * statistics.median(dispatch_cpu))
+    # The dispatch's thread CPU time is the steadier figure on a VM whose wall time drifts 10-30% between rounds.
     return {"context": context, "switch": name, "on_ms": statistics.median(times[True]),
-            "off_ms": statistics.median(times[False]), "rounds_on_ms": times[True], "rounds_off_ms": times[False]}
+            "off_ms": statistics.median(times[False]), "rounds_on_ms": times[True], "rounds_off_ms": times[False],
+            "dispatch_cpu_on_ms": statistics.median(cpu[True]), "dispatch_cpu_off_ms": statistics.median(cpu[False]),
+            "rounds_dispatch_cpu_on_ms": cpu[True], "rounds_dispatch_cpu_off_ms": cpu[False]}
 
 
 def native_profile(model, context: int, vocab: int, path: Path, seconds: float, rate: int = 200) -> dict:
@@ -103,7 +114,6 @@ def native_profile(model, context: int, vocab: int, path: Path, seconds: float, 
     for `seconds` once the step is traced and warm (so it samples neither imports nor the model load), stacks
     written raw to `path` (gzipped), the frames that hold the most samples returned."""
     import gzip
-    import os
     import shutil
     import subprocess
 
@@ -227,17 +237,22 @@ def main(argv=None) -> int:
     from lily_mlx import ops
 
     switches = {name: ops.enabled(name) for name in sorted(ops.KERNEL_NAMES)}
-    report = {"model": args.model, "mlx": mx.__version__, "switches": switches, "steps": [], "ops": {}}
-    print("off:", ", ".join(n for n, on in switches.items() if not on) or "none", flush=True)
+    # MLX's own knobs (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER, ...) change the dispatch cost: record them.
+    mlx_env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
+    report = {"model": args.model, "mlx": mx.__version__, "mlx_env": mlx_env, "switches": switches, "steps": [], "ops": {}}
+    print("off:", ", ".join(n for n, on in switches.items() if not on) or "none",
+          f"; MLX environment {mlx_env}" if mlx_env else "", flush=True)
     for ctx in args.context:
         r = step_times(model, ctx, args.steps, vocab)
         report["steps"].append(r)
         print(f"context {ctx}: step {r['sync_ms']:.2f} ms synchronous, {r['pipelined_ms']:.2f} ms pipelined "
-              f"({r['tok_s']:.1f} tok/s), dispatch (CPU) {r['dispatch_ms']:.2f} ms", flush=True)
+              f"({r['tok_s']:.1f} tok/s), dispatch {r['dispatch_ms']:.2f} ms wall, {r['dispatch_cpu_ms']:.2f} ms thread CPU",
+              flush=True)
         if args.ab_switch:
             ab = switch_ab(model, ctx, args.steps, vocab, args.ab_switch)
             report.setdefault("switch_ab", []).append(ab)
-            print(f"  {args.ab_switch} on {ab['on_ms']:.2f} ms, off {ab['off_ms']:.2f} ms per pipelined step "
+            print(f"  {args.ab_switch} on {ab['on_ms']:.2f} ms, off {ab['off_ms']:.2f} ms per pipelined step; dispatch thread "
+                  f"CPU on {ab['dispatch_cpu_on_ms']:.2f}, off {ab['dispatch_cpu_off_ms']:.2f} ms "
                   f"(medians of {len(ab['rounds_on_ms'])} alternating rounds)", flush=True)
         if args.py_spy:
             prof = native_profile(model, ctx, vocab, args.py_spy, args.py_spy_seconds)

@@ -8,7 +8,9 @@ does, so the table says which part to replace with a kernel first (issue 5).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,10 +25,10 @@ from mlx.utils import tree_flatten
 from .kernels import wall_time
 
 
-def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3,
-                 headroom: Optional[int] = None, layers: Optional[int] = None) -> tuple[float, float]:
-    """Median seconds of the whole prompt's prefill, and the peak memory (GB) it reached, run as generate runs
-    it (lily_mlx.memory.bounded_prefill: a bound None takes its environment variable, unset: the default)."""
+def prefill_runner(model, tokens: int, vocab: int, step: int = 2048, headroom: Optional[int] = None,
+                   layers: Optional[int] = None):
+    """One whole prefill of the prompt as generate runs it (lily_mlx.memory.bounded_prefill: a bound None takes its
+    environment variable, unset: the default), as a function."""
     from lily_mlx.memory import bounded_prefill
 
     prompt = mx.array(np.random.default_rng(tokens).integers(0, vocab, (1, tokens)))
@@ -37,10 +39,45 @@ def prefill_time(model, tokens: int, vocab: int, step: int = 2048, reps: int = 3
             for i in range(0, tokens, step):
                 model(prompt[:, i:i + step], cache=cache)
                 mx.eval([c.state for c in cache])
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    t = wall_time(run, reps=reps)
-    return t, mx.get_peak_memory() / 1e9
+    return run
+
+
+@contextlib.contextmanager
+def _switched_all(flips):
+    """Each (switch, on) of flips forced for the block."""
+    from lily_mlx import ops
+
+    with contextlib.ExitStack() as stack:
+        for name, on in flips:
+            stack.enter_context(ops.switched(name, on))
+        yield
+
+
+def interleaved_times(runs: dict, rounds: int) -> dict:
+    """{label: (median seconds, peak GB)} of each configuration's prefill: every label's `enter()` context set up
+    around its run, one warm-up run each, then `rounds` rounds that run every label once, in an order rotated each
+    round, so the VM's drifting speed (10-30% between minutes, BENCHMARKS.md) hits all alike."""
+    labels = list(runs)
+    times = {k: [] for k in labels}
+    peaks = {k: 0.0 for k in labels}
+
+    def once(label: str) -> float:
+        run, enter = runs[label]
+        with enter():
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            t0 = time.perf_counter()
+            run()
+            t = time.perf_counter() - t0
+            peaks[label] = max(peaks[label], mx.get_peak_memory() / 1e9)
+        return t
+
+    for label in labels:
+        once(label)
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            times[label].append(once(label))
+    return {k: (statistics.median(times[k]), peaks[k]) for k in labels}
 
 
 def peak_mb(fn) -> float:
@@ -251,6 +288,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of every configuration, interleaved (lengths "
+                                                          "over 16,384 tokens: one)")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--ab-switch", nargs="+", default=[], metavar="NAME",
                     help="also time the whole prefill with each of these switches flipped (a+b: both), in the same "
@@ -283,37 +322,44 @@ def main(argv=None) -> int:
             Path(args.json_path).write_text(json.dumps(report, indent=2))
     print(f"weights {weights_gb:.2f} GB", flush=True)
     for T in args.tokens:
-        reps = 3 if T <= 16384 else 1
-
-        def timed(label: str, **bound) -> dict:  # one prefill of this length, its line printed, its record returned
-            t, pk = prefill_time(model, T, cfg.vocab_size, reps=reps, **bound)
-            print(f"{label}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})",
-                  flush=True)
-            return {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
-
-        ops.declined.clear()
-        row = {"tokens": T, **timed(f"{T} tokens, whole prefill"), "flipped": {}, "declined": dict(ops.declined)}
-        if ops.declined:
-            print(f"  kernels that declined calls (calls): {ops.declined}", flush=True)
+        rounds = args.rounds if T <= 16384 else 1
+        default_run = prefill_runner(model, T, cfg.vocab_size)
+        nothing = contextlib.nullcontext
+        # label -> (run, context around it), in the order printed; "" is the defaults.
+        runs, bounds = {"": (default_run, nothing)}, {}  # bounds: label -> its run-ahead bound's record
         for gb in [] if args.no_bounded else args.headroom:
-            rec = timed(f"  run-ahead bounded ({gb:g} GB headroom)", headroom=int(gb * 2**30))
-            row.setdefault("bounded", []).append({"headroom_gb": gb, **rec})
+            label = f"run-ahead bounded ({gb:g} GB headroom)"
+            runs[label] = (prefill_runner(model, T, cfg.vocab_size, headroom=int(gb * 2**30)), nothing)
+            bounds[label] = {"headroom_gb": gb}
         for n in [] if args.no_bounded else args.layers_ahead:
-            rec = timed(f"  run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}", layers=n)
-            row.setdefault("bounded", []).append({"layers_ahead": n, **rec})
+            label = f"run-ahead {f'bounded ({n} layers ahead)' if n else 'unbounded'}"
+            runs[label] = (prefill_runner(model, T, cfg.vocab_size, layers=n), nothing)
+            bounds[label] = {"layers_ahead": n}
         for n in args.flash_min_scores:
-            with mock.patch.object(ops, "FLASH_MIN_SCORES", n):
-                row["flipped"][f"flash_attn from {n} scores"] = timed(f"  flash_attn from {n} scores")
+            runs[f"flash_attn from {n} scores"] = (default_run, lambda n=n: mock.patch.object(ops, "FLASH_MIN_SCORES", n))
         for n in args.dense_min_weights:
-            with mock.patch.object(ops, "DENSE_DEQUANT_MIN_WEIGHTS", n):
-                row["flipped"][f"dense dequant from {n} weights"] = timed(f"  dense dequant from {n} weights")
+            runs[f"dense dequant from {n} weights"] = (
+                default_run, lambda n=n: mock.patch.object(ops, "DENSE_DEQUANT_MIN_WEIGHTS", n))
         for names in args.ab_switch:  # a+b flips both
             flips = [(name, not ops.enabled(name)) for name in names.split("+")]
-            label = " ".join(f"{name} {'on' if on else 'off'}" for name, on in flips)
-            with ops.disabled():  # restores every switch afterwards
-                for name, on in flips:
-                    ops.set_enabled(name, on)
-                row["flipped"][label] = timed(f"  {label}")
+            runs[" ".join(f"{name} {'on' if on else 'off'}" for name, on in flips)] = (
+                default_run, lambda flips=flips: _switched_all(flips))
+        ops.declined.clear()
+        timed = interleaved_times(runs, rounds)
+        row = {"tokens": T, "rounds": rounds, "flipped": {}}
+        for label, (t, pk) in timed.items():
+            rec = {"prefill_s": t, "tok_s": T / t, "peak_gb": pk}
+            print(f"{'  ' + label if label else f'{T} tokens, whole prefill'}: {t * 1e3:.1f} ms ({T / t:.0f} tok/s), "
+                  f"peak {pk:.2f} GB (weights + {pk - weights_gb:.2f})", flush=True)
+            if not label:
+                row.update(rec)
+            elif label in bounds:
+                row.setdefault("bounded", []).append({**bounds[label], **rec})
+            else:
+                row["flipped"][label] = rec
+        row["declined"] = dict(ops.declined)
+        if ops.declined:
+            print(f"  kernels that declined calls (calls, all configurations): {ops.declined}", flush=True)
         if not args.whole_only:
             row["parts"] = part_times(model, T)
             print(f"  per layer, alone ({n_dn} DeltaNet + {n_at} attention layers, MoE in each):", flush=True)

@@ -60,6 +60,18 @@ def default_layers() -> Optional[int]:
     return int(text)
 
 
+def dispatch(*arrays) -> bool:
+    """mx.async_eval(*arrays), so the GPU starts on them while Python builds what follows; False, doing nothing,
+    inside mx.compile, grad or vmap, where MLX allows no evaluation."""
+    try:
+        mx.async_eval(*arrays)
+    except ValueError as e:
+        if "graph transformation" not in str(e):
+            raise
+        return False
+    return True
+
+
 def layers_ahead(tokens: int) -> Optional[int]:
     """How many decoder layers a prefill chunk of `tokens` tokens may queue ahead of the GPU (None: no bound)."""
     if _layers_ahead is None or (_layers_default and tokens < MIN_TOKENS):

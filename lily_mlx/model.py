@@ -20,6 +20,10 @@ from . import memory, ops
 from .config import ModelConfig
 from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, embedded, normed, output_weights
 
+# A prefill below memory.MIN_TOKENS is otherwise built whole in Python before the GPU starts (its first eval).
+ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispatched to the GPU as soon as it is "
+                    "built, so the GPU runs while Python builds the next", default_on=False)
+
 
 class Attention(nn.Module):
     """Gated full attention: q_proj emits [q | gate] per head; q/k RMSNorm; partial RoPE."""
@@ -284,12 +288,17 @@ class TextModel(nn.Module):
             cache = [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        ahead = memory.layers_ahead(h.shape[1]) if h.shape[1] > 1 else None
+        # Under mx.compile, grad or vmap nothing may be evaluated: no run-ahead bound and no overlap there.
+        dispatching = h.shape[1] > 1 and memory.dispatch(h)
+        ahead = memory.layers_ahead(h.shape[1]) if dispatching else None
+        overlap = dispatching and ahead is None and ops.enabled("prefill_overlap")
         queued = []
         for layer, c in zip(self.layers, cache):
             mask = ssm_mask if layer.is_linear else fa_mask
             if ahead is None:
                 h = layer(h, mask=mask, cache=c)
+                if overlap:  # the GPU runs this layer while Python builds the next
+                    memory.dispatch(h, [] if c is None else c.state)
                 continue
             # A bounded prefill: dispatch half a layer (its mixer, then its MoE block), then wait for the half
             # 2 * ahead - 1 back; half-layer steps keep one DeltaNet mixer's temporaries (1 GB at 2048 tokens) from

@@ -63,14 +63,14 @@ done
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
-# The defaults end to end by length, each also with the opt-in dequant_side_stream, moe_gemm_bounded, moe_route and
+# The defaults end to end by length, each also with the opt-in prefill_overlap, moe_gemm_bounded, moe_route and
 # moe_combine_shared,
 # with moe_sort off (MLX's argsorts group the routed rows), and with dense projections dequantized from 4M weights only (before run 20),
 # the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB model loads once
-# (about 25 s a load); the report is rewritten after every length.
+# (about 25 s a load), every configuration timed in interleaved rounds; the report is rewritten after every length.
 step 60 ${PREFILL_CAP:-300} "prefill by length, defaults vs ${PREFILL_VARIANTS:-moe_sort off, moe_gemm_direct, 4M dense threshold; sweeps}" \
   python3 -m bench.profile_prefill --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only \
-  --headroom ${PREFILL_VARIANTS---ab-switch dequant_side_stream moe_gemm_bounded moe_route moe_combine_shared moe_sort --dense-min-weights 4194304 \
+  --headroom ${PREFILL_VARIANTS---ab-switch prefill_overlap moe_gemm_bounded moe_route moe_combine_shared moe_sort --dense-min-weights 4194304 \
   --moe-parts --sweep} \
   --json "$res/prefill_defaults.json"
 # Stock mlx-lm and lily in one process (issue 4 and 5's "vs stock in the same run"). Each round records the

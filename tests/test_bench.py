@@ -326,7 +326,7 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert {r["proj"] for r in dense} == {"in_proj_qkv", "out_proj"}
     assert all(r["quantized_matmul_ms"] > 0 and r["dequant_gemm_ms"] > 0 for r in dense)
     (row,) = json.loads((tmp_path / "p.json").read_text())["rows"]
-    assert row["tokens"] == 70 and "deltanet_chunk off" in row["flipped"]
+    assert row["tokens"] == 70 and row["rounds"] == 3 and "deltanet_chunk off" in row["flipped"]
     assert [b.get("headroom_gb", b.get("layers_ahead")) for b in row["bounded"]] == [0.5, 2, 1]
     assert all(b["prefill_s"] > 0 for b in row["bounded"])
     assert row["mixer_parts_ms"]["whole mixer (ops.deltanet_mix)"] > 0 and row["parts"]
@@ -341,3 +341,4 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
                         "--json", str(tmp_path / "d.json")]) == 0
     report = json.loads((tmp_path / "d.json").read_text())
     assert report["steps"][0]["tok_s"] > 0 and report["switch_ab"][0]["on_ms"] > 0 and report["ops"]
+    assert report["steps"][0]["dispatch_cpu_ms"] > 0 and report["switch_ab"][0]["dispatch_cpu_on_ms"] > 0

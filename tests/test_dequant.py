@@ -15,7 +15,6 @@ from lily_mlx import ops
 from lily_mlx.ops import dequant as dq
 from lily_mlx.ops import reference
 from emulator import GXX, Emulator
-from switch_ab import prefill_rel_err
 
 F32, BF16, F16 = mx.float32, mx.bfloat16, mx.float16
 # (rows, K, group, bits, scales dtype, output dtype)
@@ -201,40 +200,3 @@ def test_prefill_dequantized_gemms_with_the_kernel_cuda():
     for a, c in zip(runs[True], runs[False]):
         af, cf = a.astype(F32), c.astype(F32)
         assert (mx.linalg.norm(af - cf) / mx.linalg.norm(cf)).item() < 1e-2
-
-
-def test_dense_projection_dequantizes_on_the_side_stream(monkeypatch):
-    """dequant_side_stream: a prefill's dense projection dequantizes its weight on ops.side_stream() (the dequantize
-    stood in by MLX's, run where the kernel would be), and the GEMM's result is the same on either stream."""
-    q, s, b = _weights(640, 256, 64, 4, BF16)
-    x = mx.random.normal((1, 512, 256), key=mx.random.key(3)).astype(BF16)
-    streams = []
-
-    def standin(w, scales, biases, **k):
-        streams.append(mx.default_stream(mx.default_device()))
-        return mx.dequantize(w, scales, biases, group_size=k["group_size"], bits=k["bits"]).astype(k["dtype"])
-
-    monkeypatch.setitem(ops._kernels, "dequant", standin)
-    monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", 0)
-    outs = []
-    for on in (False, True):
-        with ops.switched("dequant_side_stream", on):
-            outs.append(ops.quantized_matmul(x, q, s, b, group_size=64, bits=4))
-            mx.eval(outs[-1])
-    assert streams == [mx.default_stream(mx.default_device()), ops.side_stream()]
-    assert streams[0] != streams[1]
-    assert mx.array_equal(outs[0], outs[1]).item()
-    assert outs[0].shape == (1, 512, 640)
-
-
-@pytest.mark.cuda
-def test_model_prefill_with_dequant_side_stream_cuda(monkeypatch):
-    """The same kernels on another stream: the same logits, bit for bit (CUDA only: the dense dequantized GEMM is).
-    The embedded model's projections and 300 tokens are under the dense path's thresholds: lowered here."""
-    monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_ROWS", 1)
-    monkeypatch.setattr(ops, "DENSE_DEQUANT_MIN_WEIGHTS", 1)
-    calls = []
-    err = prefill_rel_err("dequant_side_stream", kernel="dequant", calls=calls)
-    assert {on for on, _ in calls} == {False, True}
-    assert err == 0.0, f"prefill logits with dequant_side_stream: rel err {err:.2e}"

@@ -278,3 +278,35 @@ def test_bounded_prefill_layers_ahead(monkeypatch):
             with memory.bounded_prefill():
                 pass
     assert memory.layers_ahead(1 << 20) is None  # restored after the error
+
+
+def test_prefill_overlap_dispatches_each_layer(monkeypatch):
+    """prefill_overlap: a prefill below the run-ahead bound hands each decoder layer to the GPU (mx.async_eval) as
+    soon as it is built, with the same logits; a one-token step dispatches nothing. Under mx.compile (as the
+    compiled decoder traces several tokens) and under a bound, where no evaluation is allowed inside the trace,
+    the prefill neither overlaps nor bounds, and runs."""
+    from lily_mlx import memory, ops
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    monkeypatch.delenv(memory.LAYERS_ENV, raising=False)
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
+    n_layers = len(model.language_model.model.layers)
+    prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 40, 41]])
+    dispatched, real_async_eval = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: dispatched.append(len(a)) or real_async_eval(*a))
+
+    def run(on: bool, tokens=prompt):
+        dispatched.clear()
+        with ops.switched("prefill_overlap", on):
+            out = model(tokens, cache=model.make_cache())
+        return out, len(dispatched)
+
+    want, n_off = run(False)
+    got, n_on = run(True)
+    assert mx.array_equal(got, want).item()
+    assert n_off == 1 and n_on == 1 + n_layers  # the embedding (the probe for a transformation), then each layer
+    assert run(True, prompt[:, :1])[1] == 0
+    with ops.switched("prefill_overlap", True), memory.bounded_prefill(layers=1):
+        monkeypatch.setattr(memory, "MIN_TOKENS", 1)
+        traced = mx.compile(lambda t: model(t, cache=model.make_cache()))(prompt)
+    assert mx.allclose(traced, want, atol=1e-2).item()

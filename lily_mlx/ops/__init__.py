@@ -131,34 +131,13 @@ def embedding_lookup(ids, w, scales, biases, *, group_size: int, bits: int) -> m
     return mx.dequantize(w[ids], scales[ids], biases[ids], group_size=group_size, bits=bits)
 
 
-_side_streams: dict[str, mx.Stream] = {}
-
-
-def side_stream() -> mx.Stream:
-    """A second stream on the default device, made once."""
-    device = mx.default_device()
-    key = str(device)
-    if key not in _side_streams:
-        _side_streams[key] = mx.new_stream(device)
-    return _side_streams[key]
-
-
-# A dense projection's dequantize reads only weights: on a second stream it can run beside the experts' GEMMs,
-# which stream their codes at ~0.65 TB/s in a 512-token prefill (BENCHMARKS.md, ninth session), instead of between
-# the layer's kernels. Within one evaluation MLX's CPU waits for the other stream at the GEMM that reads it.
-register_switch("dequant_side_stream", "prefill dense projections: the weight's dequantize on a second stream",
-                default_on=False)
-
-
 def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
     """The quantized matmul where no kernel applies: on CUDA from DENSE_DEQUANT_MIN_ROWS rows and
     DENSE_DEQUANT_MIN_WEIGHTS weight elements, the weight dequantized to x's dtype and a dense GEMM on the tensor
     cores; else MLX's quantized matmul."""
     if (x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and w.shape[0] * x.shape[-1] >= DENSE_DEQUANT_MIN_WEIGHTS
             and backend() == "cuda" and enabled("dense_dequant_gemm")):
-        stream = side_stream() if enabled("dequant_side_stream") else mx.default_stream(mx.default_device())
-        with mx.stream(stream):  # every op of the dequantize, its reshapes included, on that stream
-            wd = dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype)  # [N, K]
+        wd = dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype)  # [N, K]
         return x @ wd.T  # [..., N]
     return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
