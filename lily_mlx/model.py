@@ -20,9 +20,10 @@ from . import memory, ops
 from .config import ModelConfig
 from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, embedded, normed, output_weights
 
-# A prefill below memory.MIN_TOKENS is otherwise built whole in Python before the GPU starts (its first eval).
+# A prefill below memory.MIN_TOKENS is otherwise built whole in Python before the GPU starts (its first eval). H200 run
+# 29, interleaved rounds: 512 tokens 44.1 vs 58.7 ms, peak weights + 0.57 vs + 3.95 GB; 2048 and 8192 unchanged.
 ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispatched to the GPU as soon as it is "
-                    "built, so the GPU runs while Python builds the next", default_on=False)
+                    "built, so the GPU runs while Python builds the next")
 
 
 class Attention(nn.Module):
