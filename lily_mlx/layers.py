@@ -214,6 +214,13 @@ class FusedLinears:
         keys = sorted(self.arrays)
         return all(all(p.get(k) is v for k, v in zip(keys, view)) for p, view in zip(self.parts(), self.views))
 
+    def quantized(self) -> Optional[tuple]:
+        """(weight, scales, biases, bits, group_size) of the fused, bias-free quantized concatenation, else None."""
+        if not self.current() or "scales" not in self.arrays or "bias" in self.arrays:
+            return None
+        first, a = self.parts()[0], self.arrays
+        return a["weight"], a["scales"], a["biases"], first.bits, first.group_size
+
     def __call__(self, x: mx.array, norm: Optional["RMSNorm"] = None) -> mx.array:
         """[..., sum of the parts' outputs]: the parts applied to norm(x) (or x), concatenated."""
         if not self.current():

@@ -227,7 +227,8 @@ class SparseMoeBlock(nn.Module):
             wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
             first = self.switch_mlp.gate_proj
             return ops.moe_decode(x, norm["weight"], norm.eps, logits, wg, wu, wd, sg, su, sd, top_k=self.top_k,
-                                  normalize=self.norm_topk_prob, group_size=first.group_size, bits=first.bits)
+                                  normalize=self.norm_topk_prob, group_size=first.group_size, bits=first.bits,
+                                  router=self.router.quantized())
         xn = x if norm is None else norm(x)
         logits = self.router(xn)
         E = logits.shape[-1] - 1

@@ -314,22 +314,23 @@ def _raising_kernel(*args, **kwargs):
     raise AssertionError("a moe kernel ran where the unfused ops should")
 
 
-def _moe_decode(a, c):
+def _moe_decode(a, c, router=None):
     return ops.moe_decode(a["x"], None if a["norm"] is None else a["norm"][0], 1e-6, a["logits"], a["gate"], a["up"],
                           a["down"], a["shared_gate"], a["shared_up"], a["shared_down"], top_k=c[1],
-                          normalize=a["normalize"], group_size=c[6], bits=c[7])
+                          normalize=a["normalize"], group_size=c[6], bits=c[7], router=router)
 
 
 @pytest.mark.parametrize("name", ["moe_gate_up", "moe_down_combine"])
 def test_dispatch_switch_and_never_on_cpu(name, monkeypatch):
     c = CASES[2]
     a = _case(c)
-    other = "moe_down_combine" if name == "moe_gate_up" else "moe_gate_up"  # kept off: no GPU here
+    # kept off: no GPU here (moe_route: the unfused fallback's router)
+    other = {"moe_down_combine" if name == "moe_gate_up" else "moe_gate_up", "moe_route"}
     monkeypatch.setitem(ops._kernels, name, _raising_kernel)
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    monkeypatch.setattr(ops, "_disabled", {name, other})
+    monkeypatch.setattr(ops, "_disabled", {name, *other})
     out = _moe_decode(a, c)  # switched off: the unfused ops
-    monkeypatch.setattr(ops, "_disabled", {other})
+    monkeypatch.setattr(ops, "_disabled", set(other))
     with pytest.raises(AssertionError, match="kernel ran"):
         _moe_decode(a, c)
     monkeypatch.setattr(ops, "backend", lambda: "cpu")
@@ -525,7 +526,7 @@ def test_packed_pair_is_opt_in_and_needs_both_kernels(monkeypatch):
     a = _case(c)
     calls = []
     monkeypatch.setitem(ops._kernels, "moe_packed", lambda *args, **kw: calls.append(kw) or None)
-    for name in ("moe_gate_up", "moe_down_combine"):
+    for name in ("moe_gate_up", "moe_down_combine", "moe_route"):
         monkeypatch.setitem(ops._kernels, name, lambda *args, **kw: None)  # decline: the unfused ops run
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     want = _moe_decode(a, c)
@@ -583,3 +584,149 @@ def test_moe_packed_cuda(case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_moe_packed_metal(case):
     _gpu_packed("metal", case)
+
+
+# ---- moe_gate_up_routed: the router folded into gate/up ------------------------------------------------------------
+
+# (case, router bits, router group): the nan-row case has no router (its logits are the case's own NaNs).
+ROUTED = [(CASES[0], 8, 32), (CASES[1], 4, 32), (CASES[3], 8, 64), (CASES[6], 8, 64), (CASES[7], 4, 128)]
+
+
+def _router(c, rbits, rgs, seed=1):
+    """A quantized router [E + 1, H] (the shared-expert gate's row last) scaled so its logits spread over a few units."""
+    M, k, E, H = c[:4]
+    return (*_quant(np.random.default_rng(seed), (), E + 1, H, rgs, rbits), rbits, rgs)
+
+
+def _check_routed(c, a, router, got):
+    """The logits against the float64 oracle (x' times the dequantized router); then, routed by the kernel's own
+    logits (a tie in T-rounded logits may go either way between two correct GEMVs), gate/up as _check_gate_up."""
+    h, hs, ids, w, logits = got
+    dt = c[8]
+    assert logits.dtype == dt and logits.shape == (c[0], c[2] + 1)
+    ref = _normed_x(a) @ _deq(router[:3], router[4], router[3]).T
+    err = rel_errors(_f64(logits), ref)[0]
+    assert err < (2e-5 if dt == mx.float32 and a["norm"] is None else 8e-3), f"{_id(c)}: router logits rel err {err}"
+    return _check_gate_up(c, dict(a, logits=logits), (h, hs, ids, w))
+
+
+def _routed_args(a, router):
+    args = _gate_up_args(a)
+    return args[:2] + list(router[:3]) + args[3:]
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_routed_gate_up_emulated_matches_oracle(tmp_path):
+    """moe_gate_up_routed's Metal source on the CPU emulator (outputs start as NaN bytes): 4- and 8-bit routers,
+    groups 32-128, with and without the norm, at the planned launch and at the 35B-A3B gate/up plan."""
+    emu, checks = Emulator(tmp_path), []
+    for (c, rbits, rgs), forced in [(r, None) for r in ROUTED] + [(ROUTED[2], {"rps": 2, "warps": 8})]:
+        M, k, E, H, I, IS, gs, bits, dt = c[:9]
+        a, router = _case(c), _router(c, rbits, rgs)
+        p = moe.plan_gate_up(M, k, H, I, IS, bits, **(forced or {}))
+        inst = moe.routed_instance(
+            moe.gate_up_instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, plan=p, normalize=a["normalize"],
+                                 norm_dtype=None if a["norm"] is None else dt, eps=1e-6), rbits, rgs, mx.bfloat16)
+        threads = 32 * p["WARPS"]
+        emu.add(moe.ROUTED_SPEC, inst, _routed_args(a, router), (p["blocks"] * threads, 1, 1), (threads, 1, 1),
+                [(M, k, I), (M, IS), (M, k), (M, k), (M, E + 1)])
+        checks.append((c, a, router))
+    for (c, a, router), got in zip(checks, emu.run()):
+        _check_routed(c, a, router, got)
+
+
+def test_router_fold_is_opt_in_and_falls_back(monkeypatch):
+    """moe_router_fold is off by default; on, ops.moe_decode hands the router to it and feeds its logits to the down
+    kernel; a declined fold runs the two-kernel path on the given logits."""
+    c = CASES[2]
+    a = _case(c)
+    router = _router(c, 8, 64)
+    seen = {}
+
+    def fold(x, norm, r, *args, **kw):
+        seen["router"] = r
+        return None if seen.get("decline") else (*_gate_up_standin(a, c), a["logits"])
+
+    def down(h, hs, inds, scores, logits, *args, **kw):
+        seen["down_logits"] = logits
+        return a["residual"]
+
+    monkeypatch.setitem(ops._kernels, "moe_router_fold", fold)
+    monkeypatch.setitem(ops._kernels, "moe_gate_up", lambda *args, **kw: _gate_up_standin(a, c))
+    monkeypatch.setitem(ops._kernels, "moe_down_combine", down)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    decode = lambda: _moe_decode(a, c, router=router)
+    decode()
+    assert "router" not in seen  # opt-in
+    with ops.switched("moe_router_fold", True):
+        assert mx.array_equal(decode(), a["residual"]).item() and seen["router"] is router
+        assert seen["down_logits"] is a["logits"]
+        seen["decline"], seen["down_logits"] = True, None
+        decode()
+        assert seen["down_logits"] is a["logits"]  # the fallback's logits: the ones given
+
+
+def _gate_up_standin(a, c):
+    M, k, E, H, I, IS = c[:6]
+    return (mx.zeros((M, k, I)), mx.zeros((M, IS)), mx.zeros((M, k), dtype=mx.int32), mx.zeros((M, k)))
+
+
+def _gpu_routed(backend, c, rbits, rgs):
+    M, k, E, H, I, IS, gs, bits, dt = c[:9]
+    a, router = _case(c), _router(c, rbits, rgs)
+    got = moe.gate_up_routed(a["x"], a["norm"], router, a["gate"], a["up"], a["shared_gate"], a["shared_up"], top_k=k,
+                             normalize=a["normalize"], group_size=gs, bits=bits, backend=backend, init_value=NAN)
+    _check_routed(c, a, router, got)
+
+
+ROUTED_MODEL = [((M, 8, 256, 2048, 512, 512, 64, 4, dt, None, True), 8, 64) for M, dt in ((1, mx.bfloat16), (3, mx.float32))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+def test_routed_gate_up_cuda(case, rbits, rgs):
+    _gpu_routed("cuda", case, rbits, rgs)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+def test_routed_gate_up_metal(case, rbits, rgs):
+    _gpu_routed("metal", case, rbits, rgs)
+
+
+def _decode_with_router_fold(backend_marker: str) -> None:
+    """The embedded 4-bit model in float32 (where a one-ulp logit rounding cannot flip a bf16 router tie), a prompt
+    then 6 one-token steps with moe_router_fold on vs off: the fold is taken, and the step logits agree."""
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.float32)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 40)))
+    calls, real = [], ops._kernels["moe_router_fold"]
+    steps = {}
+    for on in (False, True):
+        with ops.switched("moe_router_fold", on):
+            ops._kernels["moe_router_fold"] = lambda *a, **k: calls.append(on) or real(*a, **k)
+            try:
+                cache = model.make_cache()
+                model(prompt, cache=cache)
+                tok, out = prompt[:, -1:], []
+                for _ in range(6):
+                    logits = model(tok, cache=cache)[:, -1]
+                    out.append(logits)
+                    tok = mx.argmax(logits, axis=-1)[:, None]
+                steps[on] = mx.stack(out)
+            finally:
+                ops._kernels["moe_router_fold"] = real
+    assert calls and all(calls), f"{backend_marker}: the fold was not taken in the decode steps"
+    err = (mx.linalg.norm(steps[True] - steps[False]) / mx.linalg.norm(steps[False])).item()
+    assert err < 1e-4, f"{backend_marker}: decode logits with moe_router_fold: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_decode_with_router_fold_cuda():
+    _decode_with_router_fold("cuda")
+
+
+@pytest.mark.metal
+def test_decode_with_router_fold_metal():
+    _decode_with_router_fold("metal")

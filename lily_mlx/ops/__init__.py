@@ -457,16 +457,27 @@ def moe_block_tail(y, shared=None, residual=None) -> mx.array:
 
 
 def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, shared_up, shared_down, *,
-               top_k: int, normalize: bool, group_size: int, bits: int):
+               top_k: int, normalize: bool, group_size: int, bits: int, router=None):
     """x + MoE(rmsnorm(x)) for a few tokens: the routed top-k SwiGLU experts and the sigmoid-gated
     shared expert, in two launches where the kernels apply (moe_gate_up, moe_down_combine).
 
     x [..., H] the residual stream; norm_weight [H] (None: x is used as it is); logits [..., E + 1] the
     router's logits with the shared-expert gate's last; gate, up: (w [E, I, H*bits/32], scales, biases
-    [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E. Returns [..., H]."""
+    [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E. Returns [..., H].
+    router: the quantized router that gave the logits, (w [E + 1, H*b/32], scales, biases, b, group); with
+    moe_router_fold the gate/up kernel computes the logits itself, and `logits` (lazy) is never evaluated."""
     E = gate[0].shape[0]
     q = {"group_size": group_size, "bits": bits}
     norm = None if norm_weight is None else (norm_weight, eps)
+    if router is not None and enabled("moe_down_combine"):
+        out = _try("moe_router_fold", x, norm, router, gate, up, shared_gate, shared_up, top_k=top_k,
+                   normalize=normalize, **q)
+        if out is not None:
+            h, hs, inds, scores, logits = out
+            y = _try("moe_down_combine", h, hs, inds, scores, logits, down, shared_down, x, **q)
+            if y is not None:
+                return y
+            return _moe.down_combine_unfused(h, hs, inds, scores, logits[..., E:E + 1], down, shared_down, x, **q)
     if enabled("moe_gate_up") and enabled("moe_down_combine"):
         y = _try("moe_packed", x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
                  normalize=normalize, **q)

@@ -253,6 +253,58 @@ def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, no
                               [mx.float32, mx.float32, mx.int32, mx.float32], init_value))
 
 
+ROUTED_PARAMS = GATE_UP_PARAMS + ("RBITS", "RGS")
+MAX_ROUTER_ROWS = 2048  # the token's logits sit in shared memory
+
+
+def routed_instance(inst: kernels.Instance, router_bits: int, router_group: int, router_scale_dtype) -> kernels.Instance:
+    """moe_gate_up_routed's instance from moe_gate_up's: the router's codes, scales and biases for the logits input,
+    and the logits as a fifth output in x's dtype."""
+    (x_dtype, (M, H)), (_, (_, LS)) = inst.inputs[0], inst.inputs[2]
+    r = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
+         (router_scale_dtype, (LS, H // router_group)))
+    return kernels.Instance(inst.template + (("RBITS", router_bits), ("RGS", router_group)),
+                            inst.inputs[:2] + r + inst.inputs[3:], inst.output_dtypes + (x_dtype,))
+
+
+def unsupported_router(x, router, experts: int) -> Optional[str]:
+    """Why moe_gate_up_routed cannot compute these router logits itself (None when it can). router: (w [LS,
+    H*bits/32], scales, biases [LS, H/group], bits, group_size), the shared-expert gate's row last."""
+    w, s, b, bits, group_size = router
+    H = x.shape[-1]
+    if bits not in BITS or group_size not in GROUP_SIZES or H % group_size or group_size % (128 // bits):
+        return f"router bits={bits}, group_size={group_size} (kernel: bits {BITS}, groups {GROUP_SIZES})"
+    LS = w.shape[0] if w.ndim == 2 else 0
+    if not experts < LS <= MAX_ROUTER_ROWS or not _quant_shapes_ok((w, s, b), LS, H, bits, group_size, None):
+        return f"router: [E + 1 <= rows <= {MAX_ROUTER_ROWS}, {H}] codes with scales and biases expected"
+    if s.size < metal_source.MAX_CONSTANT_ARRAY_SIZE:
+        return "shapes: scales this small are in Metal's constant address space"
+    return None
+
+
+def gate_up_routed(x, norm, router, gate, up, shared_gate, shared_up, *, top_k: int, normalize: bool,
+                   group_size: int, bits: int, backend: str, init_value: Optional[float] = None,
+                   plan: Optional[dict] = None):
+    """gate_up with the router folded in: router = (w, scales, biases, bits, group_size) of the fused router
+    [E + 1, H] replaces the logits, which come back last: (h, hs, inds, weights, logits [..., E + 1] in x's
+    dtype); None if not applicable."""
+    if unsupported_router(x, router, gate[0].shape[0]) is not None:
+        return None
+    wr, sr, br, rbits, rgs = router
+    logits = kernels.Shaped((*x.shape[:-1], wr.shape[0]), x.dtype)  # what the kernel writes, as gate_up checks it
+    launch = _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan)
+    if launch is None:
+        return None
+    template, grid, group, M, K, I, IS = launch
+    nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
+    lead = x.shape[:-1]
+    return tuple(kernels.call("moe_gate_up_routed", backend,
+                              [x, nw, wr, sr, br, *gate, *up, *shared_gate, *shared_up],
+                              template + [("RBITS", rbits), ("RGS", rgs)], grid, group,
+                              [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K), logits.shape],
+                              [mx.float32, mx.float32, mx.int32, mx.float32, x.dtype], init_value))
+
+
 def _launch_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size, bits, plan):
     key = ("down", _signature(h, hs, inds, weights, logits, *down, *shared_down, residual), group_size, bits,
            None if plan is None else tuple(sorted(plan.items())))
@@ -387,6 +439,24 @@ DOWN_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
+def _routed_instances() -> list[kernels.Instance]:
+    """The model's (8-bit router, group 64) and the test shapes' (4- and 8-bit routers) routed builds."""
+    insts = [routed_instance(gate_up_instance(*c, norm_dtype=c[0]), 8, 64, mx.bfloat16) for c in _combos()
+             if c[5] % 64 == 0]
+    insts += [routed_instance(gate_up_instance(*c, normalize=c[3] != 3), 4, 32, mx.bfloat16) for c in _combos()
+              if c[5] % 32 == 0]
+    return kernels.unique_instances(insts, key=kernels.source_key)
+
+
+ROUTED_SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_gate_up_routed", body="moe_gate_up.inc",
+    input_names=("x", "nw", "wr", "sr", "br") + GATE_UP_SPEC.input_names[3:],
+    output_names=GATE_UP_SPEC.output_names + ("logits",), template_params=ROUTED_PARAMS,
+    description="moe_gate_up computing the router's logits itself (no router launch in a decode step)",
+    instances=_routed_instances, defines=("LILY_MOE_ROUTER",),
+))
+
+
 def _packed(inst: kernels.Instance, down: bool) -> kernels.Instance:
     """The packed variant's instance: gate/up's four outputs, or down's first four inputs, as one float32 buffer."""
     if not down:
@@ -418,6 +488,12 @@ def _dispatch_packed(*args, **kwargs):
     return decode_packed(*args, **kwargs, backend=backend())
 
 
+def _dispatch_routed(*args, **kwargs):
+    from . import backend
+
+    return gate_up_routed(*args, **kwargs, backend=backend())
+
+
 def _dispatch_gate_up(*args, **kwargs):
     from . import backend
 
@@ -432,5 +508,8 @@ def _dispatch_down(*args, **kwargs):
 
 register_kernel("moe_gate_up", GATE_UP_SPEC.description, _dispatch_gate_up)
 register_kernel("moe_down_combine", DOWN_SPEC.description, _dispatch_down)
+# Opt-in until timed on the H200: every routed block reads the router (0.5 MB at the 35B shape, from L2 after the
+# first), against one launch fewer a MoE block.
+register_kernel("moe_router_fold", ROUTED_SPEC.description, _dispatch_routed, default_on=False)
 register_kernel("moe_packed", "the MoE decode pair passing its routing and activations as one buffer (not yet "
                 "measured on a GPU)", _dispatch_packed, default_on=False)
