@@ -674,8 +674,8 @@ def _gate_up_standin(a, c):
 def _gpu_routed(backend, c, rbits, rgs):
     M, k, E, H, I, IS, gs, bits, dt = c[:9]
     a, router = _case(c), _router(c, rbits, rgs)
-    got = moe.gate_up_routed(a["x"], a["norm"], router, a["gate"], a["up"], a["shared_gate"], a["shared_up"], top_k=k,
-                             normalize=a["normalize"], group_size=gs, bits=bits, backend=backend, init_value=NAN)
+    got = moe.gate_up(a["x"], a["norm"], None, a["gate"], a["up"], a["shared_gate"], a["shared_up"], top_k=k,
+                      normalize=a["normalize"], group_size=gs, bits=bits, backend=backend, init_value=NAN, router=router)
     _check_routed(c, a, router, got)
 
 

@@ -234,16 +234,29 @@ def packed_width(K: int, I: int, IS: int) -> int:
 
 def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, normalize: bool, group_size: int,
             bits: int, backend: str, init_value: Optional[float] = None, plan: Optional[dict] = None,
-            packed: bool = False):
+            packed: bool = False, router: Optional[tuple] = None):
     """x [..., H] (RMS-normalised by norm = (weight, eps) first unless None), router logits [..., >= E] ->
     (h [..., k, I], hs [..., Is], inds [..., k] int32, weights [..., k] float32), or with `packed` the four in
-    one float32 [..., packed_width(k, I, Is)]; None if not applicable."""
+    one float32 [..., packed_width(k, I, Is)]; None if not applicable. With router = (w, scales, biases, bits,
+    group_size) of the fused router [E + 1, H], the kernel computes the logits itself (`logits` unread, None) and
+    returns them last, [..., E + 1] in x's dtype (moe_gate_up_routed)."""
+    if router is not None:
+        if unsupported_router(x, router, gate[0].shape[0]) is not None:
+            return None
+        logits = kernels.Shaped((*x.shape[:-1], router[0].shape[0]), x.dtype)  # what the kernel writes
     launch = _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan)
     if launch is None:
         return None
     template, grid, group, M, K, I, IS = launch
     nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
     lead = x.shape[:-1]
+    if router is not None:
+        wr, sr, br, rbits, rgs = router
+        return tuple(kernels.call("moe_gate_up_routed", backend,
+                                  [x, nw, wr, sr, br, *gate, *up, *shared_gate, *shared_up],
+                                  template + [("RBITS", rbits), ("RGS", rgs)], grid, group,
+                                  [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K), logits.shape],
+                                  [mx.float32, mx.float32, mx.int32, mx.float32, x.dtype], init_value))
     inputs = [x, nw, logits, *gate, *up, *shared_gate, *shared_up]
     if packed:
         return kernels.call("moe_gate_up_packed", backend, inputs, template, grid, group,
@@ -280,29 +293,6 @@ def unsupported_router(x, router, experts: int) -> Optional[str]:
     if s.size < metal_source.MAX_CONSTANT_ARRAY_SIZE:
         return "shapes: scales this small are in Metal's constant address space"
     return None
-
-
-def gate_up_routed(x, norm, router, gate, up, shared_gate, shared_up, *, top_k: int, normalize: bool,
-                   group_size: int, bits: int, backend: str, init_value: Optional[float] = None,
-                   plan: Optional[dict] = None):
-    """gate_up with the router folded in: router = (w, scales, biases, bits, group_size) of the fused router
-    [E + 1, H] replaces the logits, which come back last: (h, hs, inds, weights, logits [..., E + 1] in x's
-    dtype); None if not applicable."""
-    if unsupported_router(x, router, gate[0].shape[0]) is not None:
-        return None
-    wr, sr, br, rbits, rgs = router
-    logits = kernels.Shaped((*x.shape[:-1], wr.shape[0]), x.dtype)  # what the kernel writes, as gate_up checks it
-    launch = _launch_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, normalize, group_size, bits, plan)
-    if launch is None:
-        return None
-    template, grid, group, M, K, I, IS = launch
-    nw = kernels.placeholder(x.dtype) if norm is None else norm[0]
-    lead = x.shape[:-1]
-    return tuple(kernels.call("moe_gate_up_routed", backend,
-                              [x, nw, wr, sr, br, *gate, *up, *shared_gate, *shared_up],
-                              template + [("RBITS", rbits), ("RGS", rgs)], grid, group,
-                              [(*lead, K, I), (*lead, IS), (*lead, K), (*lead, K), logits.shape],
-                              [mx.float32, mx.float32, mx.int32, mx.float32, x.dtype], init_value))
 
 
 def _launch_down(h, hs, inds, weights, logits, down, shared_down, residual, group_size, bits, plan):
@@ -488,10 +478,10 @@ def _dispatch_packed(*args, **kwargs):
     return decode_packed(*args, **kwargs, backend=backend())
 
 
-def _dispatch_routed(*args, **kwargs):
+def _dispatch_routed(x, norm, router, *args, **kwargs):
     from . import backend
 
-    return gate_up_routed(*args, **kwargs, backend=backend())
+    return gate_up(x, norm, None, *args, **kwargs, router=router, backend=backend())
 
 
 def _dispatch_gate_up(*args, **kwargs):
