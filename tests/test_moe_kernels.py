@@ -730,3 +730,19 @@ def test_decode_with_router_fold_cuda():
 @pytest.mark.metal
 def test_decode_with_router_fold_metal():
     _decode_with_router_fold("metal")
+
+
+def test_router_fold_declines_what_it_cannot_compute():
+    """unsupported_router names the problem: the router's bits and group, its rows (the shared-expert gate's row
+    must follow the E experts'), and the threadgroup memory its logits take beside the staged x'."""
+    c = CASES[2]
+    M, k, E, H = c[:4]
+    a, router = _case(c), _router(c, 8, 64)
+    x = a["x"]
+    assert moe.unsupported_router(x, router, E) is None
+    assert "bits=3" in moe.unsupported_router(x, (*router[:3], 3, 64), E)
+    assert "rows" in moe.unsupported_router(x, tuple(r[:E] for r in router[:3]) + router[3:], E)  # no gate row
+    wide = _quant(np.random.default_rng(2), (), moe.MAX_ROUTER_ROWS, 7168, 64, 8)
+    assert "threadgroup memory" in moe.unsupported_router(mx.zeros((1, 7168)), (*wide, 8, 64), E)
+    assert moe.gate_up(x, a["norm"], None, a["gate"], a["up"], a["shared_gate"], a["shared_up"], top_k=k, normalize=True,
+                       group_size=c[6], bits=c[7], backend="cuda", router=(*router[:3], 3, 64)) is None

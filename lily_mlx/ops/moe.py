@@ -268,6 +268,7 @@ def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, no
 
 ROUTED_PARAMS = GATE_UP_PARAMS + ("RBITS", "RGS")
 MAX_ROUTER_ROWS = 2048  # the token's logits sit in shared memory
+SHARED_FLOATS = 8192  # Metal's 32 KB of threadgroup memory
 
 
 def routed_instance(inst: kernels.Instance, router_bits: int, router_group: int, router_scale_dtype) -> kernels.Instance:
@@ -292,6 +293,8 @@ def unsupported_router(x, router, experts: int) -> Optional[str]:
         return f"router: [E + 1 <= rows <= {MAX_ROUTER_ROWS}, {H}] codes with scales and biases expected"
     if s.size < metal_source.MAX_CONSTANT_ARRAY_SIZE:
         return "shapes: scales this small are in Metal's constant address space"
+    if H + H // 16 + 8 + LS > SHARED_FLOATS:  # staged x', its chunk sums (16 codes a chunk at most), the norm's scratch
+        return f"router rows {LS} at hidden size {H}: over {SHARED_FLOATS} floats of threadgroup memory"
     return None
 
 
@@ -501,5 +504,6 @@ register_kernel("moe_down_combine", DOWN_SPEC.description, _dispatch_down)
 # Opt-in until timed on the H200: every routed block reads the router (0.5 MB at the 35B shape, from L2 after the
 # first), against one launch fewer a MoE block.
 register_kernel("moe_router_fold", ROUTED_SPEC.description, _dispatch_routed, default_on=False)
-register_kernel("moe_packed", "the MoE decode pair passing its routing and activations as one buffer (not yet "
-                "measured on a GPU)", _dispatch_packed, default_on=False)
+# Off: no faster on the H200 (run 29, dispatch thread CPU 3.17 vs 3.13 ms a step): a launch's cost is not its arity.
+register_kernel("moe_packed", "the MoE decode pair passing its routing and activations as one buffer",
+                _dispatch_packed, default_on=False)
