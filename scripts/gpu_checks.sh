@@ -63,12 +63,12 @@ done
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
-# The defaults end to end by length, each also with the opt-in prefill_overlap, moe_gemm_bounded, moe_route and
-# moe_combine_shared,
-# with moe_sort off (MLX's argsorts group the routed rows), and with dense projections dequantized from 4M weights only (before run 20),
-# the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB model loads once
-# (about 25 s a load), every configuration timed in interleaved rounds; the report is rewritten after every length.
-step 60 ${PREFILL_CAP:-300} "prefill by length, defaults vs ${PREFILL_VARIANTS:-moe_sort off, moe_gemm_direct, 4M dense threshold; sweeps}" \
+# The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
+# and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
+# (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB
+# model loads once (about 25 s a load), every configuration timed in interleaved rounds; the report is rewritten
+# after every length.
+step 60 ${PREFILL_CAP:-300} "prefill by length, defaults vs ${PREFILL_VARIANTS:-each switch flipped, 4M dense threshold; sweeps}" \
   python3 -m bench.profile_prefill --model "$model" --tokens ${LENGTHS:-512 2048 8192 16384 65536} --whole-only \
   --headroom ${PREFILL_VARIANTS---ab-switch prefill_overlap moe_gemm_bounded moe_route moe_combine_shared moe_sort --dense-min-weights 4194304 \
   --moe-parts --sweep} \
