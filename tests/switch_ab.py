@@ -1,4 +1,4 @@
-"""A kernel's switch on vs off in the embedded 4-bit model's prefill (bf16 activations): the GPU tests' model-level
+"""A kernel's switch on vs off in the embedded 4-bit model's prefill or decode steps: the GPU tests' model-level
 check that the kernel path is taken and the logits agree."""
 
 from __future__ import annotations
@@ -11,15 +11,20 @@ import numpy as np
 from lily_mlx import ops
 
 
-def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None,
-                    calls: Optional[list] = None, dtype=mx.bfloat16) -> float:
-    """Relative error (L2) of the prefill logits with `switch` on against off. The switch's own kernel must run
-    only when on; a switch that steers another `kernel` gets that kernel's calls as (on, kwargs) in `calls`."""
+def _model(dtype):
     import lily_mlx
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
-    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=dtype)
-    toks = mx.array(np.random.default_rng(0).integers(0, 2048, (1, tokens)))
+    return lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=dtype)[0]
+
+
+def _tokens(n: int) -> mx.array:
+    return mx.array(np.random.default_rng(0).integers(0, 2048, (1, n)))
+
+
+def _rel_err_on_vs_off(switch: str, run, kernel: Optional[str], calls: Optional[list]) -> float:
+    """Relative error (L2) of run()'s float32 logits with `switch` on against off. The switch's own kernel must run
+    only when on; a switch that steers another `kernel` gets that kernel's calls as (on, kwargs) in `calls`."""
     name = kernel or switch
     calls, real = [] if calls is None else calls, ops._kernels[name]
     logits = {}
@@ -27,9 +32,34 @@ def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None
         with ops.switched(switch, on):
             ops._kernels[name] = lambda *a, **k: calls.append((on, k)) or real(*a, **k)
             try:
-                logits[on] = model(toks, cache=model.make_cache()).astype(mx.float32)
+                logits[on] = run().astype(mx.float32)
             finally:
                 ops._kernels[name] = real
     if kernel is None:
         assert calls and all(on for on, _ in calls), f"the {switch} kernel path was not taken"
     return (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+
+
+def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None,
+                    calls: Optional[list] = None, dtype=mx.bfloat16) -> float:
+    """_rel_err_on_vs_off of a `tokens`-token prefill's logits."""
+    model, toks = _model(dtype), _tokens(tokens)
+    return _rel_err_on_vs_off(switch, lambda: model(toks, cache=model.make_cache()), kernel, calls)
+
+
+def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Optional[str] = None,
+                   calls: Optional[list] = None, dtype=mx.bfloat16) -> float:
+    """_rel_err_on_vs_off of the logits of `steps` greedy one-token steps after a `prompt`-token prefill."""
+    model, toks = _model(dtype), _tokens(prompt)
+
+    def run():
+        cache = model.make_cache()
+        model(toks, cache=cache)
+        tok, out = toks[:, -1:], []
+        for _ in range(steps):
+            logits = model(tok, cache=cache)[:, -1]
+            out.append(logits)
+            tok = mx.argmax(logits, axis=-1)[:, None]
+        return mx.stack(out)
+
+    return _rel_err_on_vs_off(switch, run, kernel, calls)

@@ -137,8 +137,7 @@ def _many_rows_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.ar
     cores; else MLX's quantized matmul."""
     if (x.size // x.shape[-1] >= DENSE_DEQUANT_MIN_ROWS and w.shape[0] * x.shape[-1] >= DENSE_DEQUANT_MIN_WEIGHTS
             and backend() == "cuda" and enabled("dense_dequant_gemm")):
-        wd = dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype)  # [N, K]
-        return x @ wd.T  # [..., N]
+        return x @ dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype).T  # [..., N]
     return reference.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
@@ -469,27 +468,26 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     E = gate[0].shape[0]
     q = {"group_size": group_size, "bits": bits}
     norm = None if norm_weight is None else (norm_weight, eps)
+    folded = None
     if router is not None and enabled("moe_down_combine"):
-        out = _try("moe_router_fold", x, norm, router, gate, up, shared_gate, shared_up, top_k=top_k,
-                   normalize=normalize, **q)
-        if out is not None:
-            h, hs, inds, scores, logits = out
-            y = _try("moe_down_combine", h, hs, inds, scores, logits, down, shared_down, x, **q)
+        folded = _try("moe_router_fold", x, norm, router, gate, up, shared_gate, shared_up, top_k=top_k,
+                      normalize=normalize, **q)
+    if folded is not None:
+        h, hs, inds, scores, logits = folded  # the kernel's own logits: the down step reads the shared gate's column
+    else:
+        if enabled("moe_gate_up") and enabled("moe_down_combine"):
+            y = _try("moe_packed", x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
+                     normalize=normalize, **q)
             if y is not None:
                 return y
-            return _moe.down_combine_unfused(h, hs, inds, scores, logits[..., E:E + 1], down, shared_down, x, **q)
-    if enabled("moe_gate_up") and enabled("moe_down_combine"):
-        y = _try("moe_packed", x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
-                 normalize=normalize, **q)
-        if y is not None:
-            return y
-    out = _try("moe_gate_up", x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize, **q)
-    if out is None:
-        xn = x if norm is None else reference.rms_norm(x, norm_weight, eps)
-        inds, scores = moe_route(logits[..., :E], top_k, normalize)
-        h, hs = _moe.gate_up_unfused(xn, inds, gate, up, shared_gate, shared_up, **q)
-    else:
-        h, hs, inds, scores = out
+        out = _try("moe_gate_up", x, norm, logits, gate, up, shared_gate, shared_up, top_k=top_k, normalize=normalize,
+                   **q)
+        if out is None:
+            xn = x if norm is None else reference.rms_norm(x, norm_weight, eps)
+            inds, scores = moe_route(logits[..., :E], top_k, normalize)
+            h, hs = _moe.gate_up_unfused(xn, inds, gate, up, shared_gate, shared_up, **q)
+        else:
+            h, hs, inds, scores = out
     y = _try("moe_down_combine", h, hs, inds, scores, logits, down, shared_down, x, **q)
     if y is not None:
         return y
