@@ -58,6 +58,111 @@ LILY_INLINE float lily_normed(float x, float rinv, TW w) {
   return lily_float(lily_cast<T>(lily_float(w) * lily_float(lily_cast<T>(x * rinv))));
 }
 
+// One token's row x [H] (with NORM, RMS-normalised by nw as mx.fast.rms_norm rounds it) staged as floats for
+// 16-byte chunks of CPC codes: xs4 holds chunk c's CPC/4 float4s swizzled (lily_swizzle), xsum[c] their sum. Every
+// thread of a block of WARPS warps takes part; red is WARPS floats of scratch. Ends with a barrier.
+template <typename T, int H, int CPC, int WARPS, bool NORM, typename TX, typename TN>
+LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4, LILY_TG_PTR float* xsum,
+                                LILY_TG_PTR float* red, int tid) {
+  constexpr int F4C = CPC / 4;
+  constexpr int C = H / CPC;
+  constexpr int NTHREADS = 32 * WARPS;
+  constexpr int STAGE_ITERS = (C * F4C + NTHREADS - 1) / NTHREADS;
+  float rinv[1];
+  if (NORM) lily_row_rsqrt_ms<1, H, WARPS>(x, 1, eps, red, rinv, tid);
+  LILY_UNROLL
+  for (int it = 0; it < STAGE_ITERS; ++it) {
+    const int e = it * NTHREADS + tid;  // float4 index into the row
+    const int cl = e / F4C;
+    const int f = e - cl * F4C;
+    const bool ok = cl < C;
+    float4 v = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (ok) {
+      v = LILY_F4(lily_float(x[e * 4]), lily_float(x[e * 4 + 1]), lily_float(x[e * 4 + 2]), lily_float(x[e * 4 + 3]));
+      if (NORM) {
+        v.x = lily_normed<T>(v.x, rinv[0], nw[e * 4]);
+        v.y = lily_normed<T>(v.y, rinv[0], nw[e * 4 + 1]);
+        v.z = lily_normed<T>(v.z, rinv[0], nw[e * 4 + 2]);
+        v.w = lily_normed<T>(v.w, rinv[0], nw[e * 4 + 3]);
+      }
+    }
+    float part = (v.x + v.y) + (v.z + v.w);
+    LILY_UNROLL
+    for (int off = 1; off < F4C; off <<= 1) part += lily_shfl_xor(part, off);  // the chunk's sum
+    if (ok) {
+      xs4[cl * F4C + (f ^ lily_swizzle<F4C>(cl))] = v;
+      if (f == 0) xsum[cl] = part;
+    }
+  }
+  LILY_BARRIER();
+}
+
+// Rows [first, end) of the router's logits (an RBITS-bit affine [LS, H] matrix wr, sr, br) against x' staged by
+// lily_stage_row for chunks of CPC codes, into out[r] rounded to T as the router's GEMV rounds them. Warp w of a block
+// of WARPS takes rows first + w * RR, ... (RR at a time, its lanes over their 16-byte chunks).
+template <typename T, int H, int CPC, int RBITS, int RGS, int LS, int WARPS, typename TW, typename TS, typename TO>
+LILY_INLINE void lily_router_rows(TW wr, TS sr, TS br, LILY_TG_PTR const float4* xs4, int first, int end, TO out,
+                                  int warp, int lane) {
+  constexpr int F4C = CPC / 4;
+  constexpr int RCPC = 128 / RBITS;  // router codes per 16-byte chunk
+  constexpr int RC = H / RCPC;       // chunks per router row
+  constexpr int RNG = H / RGS;
+  constexpr int RF4 = RCPC / 4;      // float4s of x' per router chunk
+  constexpr int RCL = (RC + 31) / 32;  // chunks per lane of a router row
+  constexpr int RR = RCL >= 4 ? 1 : 4 / RCL;  // router rows in flight per warp
+  constexpr float RQSCALE = static_cast<float>(1 << RBITS);
+  static_assert(RBITS == 4 || RBITS == 8, "router: RBITS must be 4 or 8");
+  static_assert(H % RGS == 0 && RGS % RCPC == 0, "router: a chunk must lie inside one group");
+  for (int r0 = first + warp * RR; r0 < end; r0 += WARPS * RR) {
+    uint4 rq[RR][RCL];
+    float rs[RR][RCL], rbias[RR][RCL];
+    LILY_UNROLL
+    for (int i = 0; i < RR; ++i) {
+      const int r = lily_min(r0 + i, LS - 1);
+      LILY_UNROLL
+      for (int j = 0; j < RCL; ++j) {
+        const int kc = j * 32 + lane;
+        if (kc < RC) {
+          const int g = r * RNG + (kc * RCPC) / RGS;
+          const float sc = lily_float(sr[g]);
+          rq[i][j] = LILY_LDG_U4(wr, r * RC + kc);
+          rs[i][j] = RQSCALE * sc;
+          rbias[i][j] = lily_float(br[g]) - RQSCALE * sc;
+        }
+      }
+    }
+    float racc[RR];
+    LILY_UNROLL
+    for (int i = 0; i < RR; ++i) racc[i] = 0.0f;
+    LILY_UNROLL
+    for (int j = 0; j < RCL; ++j) {
+      const int kc = j * 32 + lane;
+      if (kc < RC) {
+        float xr[RCPC];
+        float xs = 0.0f;
+        LILY_UNROLL
+        for (int t = 0; t < RF4; ++t) {
+          const int e4 = kc * RF4 + t;  // float4 index into x'
+          const int cl = e4 / F4C;
+          const float4 v = xs4[cl * F4C + ((e4 - cl * F4C) ^ lily_swizzle<F4C>(cl))];
+          xr[4 * t] = v.x;
+          xr[4 * t + 1] = v.y;
+          xr[4 * t + 2] = v.z;
+          xr[4 * t + 3] = v.w;
+          xs += (v.x + v.y) + (v.z + v.w);
+        }
+        LILY_UNROLL
+        for (int i = 0; i < RR; ++i) racc[i] = LILY_FMA(rs[i][j], lily_qdot16<RBITS>(rq[i][j], xr), LILY_FMA(rbias[i][j], xs, racc[i]));
+      }
+    }
+    LILY_UNROLL
+    for (int i = 0; i < RR; ++i) {
+      const float v = lily_warp_sum(racc[i]);
+      if (lane == 0 && r0 + i < end) out[r0 + i] = lily_cast<T>(v);
+    }
+  }
+}
+
 // One attention head vector, RMS-normalised then rotated (RoPE, rotate-half, the first ROPE dims at
 // position pos), by one warp, with the reference's roundings to T (mx.fast.rms_norm, mx.fast.rope):
 // src[0, D) any float pointer, nw [D] the norm weight; dst [D] shared floats, written by lanes

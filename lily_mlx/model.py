@@ -223,7 +223,7 @@ class SparseMoeBlock(nn.Module):
         tokens = x.size // x.shape[-1]
         if (residual is not None and (tokens <= ops.DECODE_KERNEL_ROWS or tokens * self.top_k < 64)
                 and self._quantized_alike()):
-            logits = self.router(x, norm)  # [..., E + 1]: the router's, then the shared-expert gate's
+            logits = lambda: self.router(x, norm)  # [..., E + 1]: the router's, then the shared-expert gate's
             wg, wu, wd, sg, su, sd = ((l["weight"], l["scales"], l["biases"]) for l in self._projections())
             first = self.switch_mlp.gate_proj
             return ops.moe_decode(x, norm["weight"], norm.eps, logits, wg, wu, wd, sg, su, sd, top_k=self.top_k,

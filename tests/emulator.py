@@ -83,8 +83,10 @@ def _from_file(path: Path, dtype: mx.Dtype, shape) -> mx.array:
     return mx.array(np.fromfile(path, dtype=np_dtype).reshape(shape))
 
 
-def case_source(case: int, spec, inst, kname: str, arrays, grid, group, out_shapes) -> str:
-    """The C++ for one case of main(): load inputs, poison outputs with NaN bytes, launch, save."""
+def case_source(case: int, spec, inst, kname: str, arrays, grid, group, out_shapes, reversed_groups: bool = False,
+                read_back: tuple = ()) -> str:
+    """The C++ for one case of main(): load inputs, poison outputs with NaN bytes, launch, save the outputs, then the
+    inputs listed in read_back (a kernel may write an input: counters it leaves as it found them)."""
     src = kernels.body(spec, "metal")
     infos = [(f"{n}_shape" in src, f"{n}_strides" in src, f"{n}_ndim" in src) for n in spec.input_names]
     attrs = [a for a, _ in metal_source.METAL_ATTRIBUTES if a in src]
@@ -111,8 +113,9 @@ def case_source(case: int, spec, inst, kname: str, arrays, grid, group, out_shap
     args += [f"ids.{a}" for a in attrs]
     targs = ", ".join(metal_source.type_string(v) if isinstance(v, mx.Dtype) else str(int(v)) for _, v in inst.template)
     lines.append(f"    metal_sim::launch(uint3({grid[0]}u, {grid[1]}u, {grid[2]}u), uint3({group[0]}u, {group[1]}u, {group[2]}u),")
-    lines.append(f"        [&](const metal_sim::Ids& ids) {{ {kname}<{targs}>({', '.join(args)}); }});")
+    lines.append(f"        [&](const metal_sim::Ids& ids) {{ {kname}<{targs}>({', '.join(args)}); }}, {str(reversed_groups).lower()});")
     lines += [f'    save(dir + "/{case}_out{o}.bin", out{o});' for o in range(len(out_shapes))]
+    lines += [f'    save(dir + "/{case}_out{len(out_shapes) + j}.bin", in{i});' for j, i in enumerate(read_back)]
     lines.append("  } break;")
     return "\n".join(lines)
 
@@ -126,15 +129,18 @@ class Emulator:
         self.calls: list[str] = []
         self.outputs: list[list[tuple[tuple, mx.Dtype]]] = []
 
-    def add(self, spec, inst, arrays, grid, group, out_shapes) -> int:
-        """One launch (grid and group in threads, as MLX takes them). Returns the case number."""
+    def add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups: bool = False,
+            read_back: tuple = ()) -> int:
+        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed.
+        Returns the case number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
         n = len(self.calls)
         for i, a in enumerate(arrays):
             to_numpy(a).tofile(self.dir / f"{n}_in{i}.bin")
         kname, src = kernels.full_source(spec, "metal", inst)
         self.sources[kname] = ATTRIBUTE.sub("", src)
-        self.calls.append(case_source(n, spec, inst, kname, arrays, grid, group, out_shapes))
-        self.outputs.append([(tuple(s), d) for s, d in zip(out_shapes, inst.output_dtypes)])
+        self.calls.append(case_source(n, spec, inst, kname, arrays, grid, group, out_shapes, reversed_groups, read_back))
+        self.outputs.append([(tuple(s), d) for s, d in zip(out_shapes, inst.output_dtypes)]
+                            + [(arrays[i].shape, arrays[i].dtype) for i in read_back])
         return n
 
     def run(self) -> list[list[mx.array]]:

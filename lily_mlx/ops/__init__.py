@@ -461,13 +461,20 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     shared expert, in two launches where the kernels apply (moe_gate_up, moe_down_combine).
 
     x [..., H] the residual stream; norm_weight [H] (None: x is used as it is); logits [..., E + 1] the
-    router's logits with the shared-expert gate's last; gate, up: (w [E, I, H*bits/32], scales, biases
-    [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E. Returns [..., H].
-    router: the quantized router that gave the logits, (w [E + 1, H*b/32], scales, biases, b, group); with
-    moe_router_fold the gate/up kernel computes the logits itself, and `logits` (lazy) is never evaluated."""
+    router's logits with the shared-expert gate's last, or a function returning them; gate, up: (w [E, I,
+    H*bits/32], scales, biases [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E.
+    Returns [..., H]. router: the quantized router that gives the logits, (w [E + 1, H*b/32], scales, biases, b,
+    group); with moe_chain (the whole block in one launch) or moe_router_fold (the gate/up kernel) the logits are
+    computed from it, and a function given for `logits` is not called (no router launch is built)."""
     E = gate[0].shape[0]
     q = {"group_size": group_size, "bits": bits}
     norm = None if norm_weight is None else (norm_weight, eps)
+    logits_of = logits if callable(logits) else lambda: logits
+    if router is not None and enabled("moe_gate_up") and enabled("moe_down_combine"):
+        y = _try("moe_chain", x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
+                 normalize=normalize, **q)
+        if y is not None:
+            return y
     folded = None
     if router is not None and enabled("moe_down_combine"):
         folded = _try("moe_router_fold", x, norm, router, gate, up, shared_gate, shared_up, top_k=top_k,
@@ -475,6 +482,7 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     if folded is not None:
         h, hs, inds, scores, logits = folded  # the kernel's own logits: the down step reads the shared gate's column
     else:
+        logits = logits_of()
         if enabled("moe_gate_up") and enabled("moe_down_combine"):
             y = _try("moe_packed", x, norm, logits, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
                      normalize=normalize, **q)
@@ -508,6 +516,7 @@ from . import moe_sort as _moe_sort  # noqa: E402,F401
 from . import deltanet_prep as _deltanet_prep  # noqa: E402,F401
 from . import moe_router as _moe_router  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
+from . import moe_chain as _moe_chain  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
 DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

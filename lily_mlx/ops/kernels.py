@@ -229,9 +229,19 @@ def select_blocks(text: str, defines: Sequence[str]) -> str:
     return "\n".join(out) + "\n"
 
 
+_INCLUDE = re.compile(r'^#include "(\w+\.inc)"$', re.M)
+
+
+def expand(filename: str, defines: Sequence[str]) -> str:
+    """A body file with its blocks selected for `defines` and each `#include "other.inc"` line replaced by that
+    body, expanded the same way (a chained kernel runs other kernels' bodies as its phases, unchanged)."""
+    return _INCLUDE.sub(lambda m: expand(m.group(1), defines).rstrip("\n"),
+                        select_blocks(read_source(filename), defines))
+
+
 def body(spec: KernelSpec, backend: str) -> str:
     _check_backend(backend)
-    return read_source(f"entry_{backend}.inc") + "\n" + select_blocks(read_source(spec.body), spec.defines)
+    return read_source(f"entry_{backend}.inc") + "\n" + expand(spec.body, spec.defines)
 
 
 def spec_header(spec: KernelSpec, backend: str, src: str) -> str:

@@ -42,11 +42,11 @@ def _lanes(*chunks: int) -> int:
     return lanes
 
 
-def _shrink(blocks, rps: int, warps: int) -> tuple[int, int]:
+def _shrink(blocks, rps: int, warps: int, min_warps: int = 4) -> tuple[int, int]:
     # Fewer rows per block until the GPU has MIN_BLOCKS jobs; keep >= 4 warps (x staging, qmv NOTES).
     while rps > 1 and blocks(rps, warps) < MIN_BLOCKS:
         rps //= 2
-    while warps > 4 and blocks(rps, warps) < MIN_BLOCKS:
+    while warps > min_warps and blocks(rps, warps) < MIN_BLOCKS:
         warps //= 2
     return rps, warps
 
@@ -70,7 +70,8 @@ def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Option
 
 def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[int] = None,
               warps: Optional[int] = None) -> dict:
-    """Launch shape; `rps` and `warps` given (tests) are taken as they are."""
+    """Launch shape; `rps` and `warps` given (tests) are taken as they are; `warps` alone is kept (moe_chain's blocks
+    are all one size) and the rows planned for it."""
     ci, cs = I * bits // 128, IS * bits // 128
     lanes = _lanes(ci, cs)
     per_row = K * (ci // lanes) + cs // lanes  # chunks in flight per lane per output row
@@ -79,8 +80,9 @@ def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[
     def blocks(r, w, m=M):
         return m * -(-H // (w * sub * r))
 
-    if rps is None or warps is None:
-        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)), 8)
+    if rps is None:
+        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)), warps or 8,
+                             4 if warps is None else warps)
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps), "inflight": per_row * rps}
 
 

@@ -116,9 +116,10 @@ inline To as_type(const From& v) {
   return r;
 }
 
-// Metal's atomic_int and its explicit operations (relaxed is the only order Metal has).
+// Metal's atomic_int and its explicit operations (relaxed is the only order its atomics take; fences take seq_cst).
 typedef std::atomic<int> atomic_int;
-enum memory_order { memory_order_relaxed };
+enum memory_order { memory_order_relaxed, memory_order_seq_cst };
+enum thread_scope { thread_scope_threadgroup, thread_scope_device };
 inline int atomic_fetch_add_explicit(atomic_int* p, int v, memory_order) { return p->fetch_add(v, std::memory_order_relaxed); }
 inline int atomic_load_explicit(atomic_int* p, memory_order) { return p->load(std::memory_order_relaxed); }
 inline void atomic_store_explicit(atomic_int* p, int v, memory_order) { p->store(v, std::memory_order_relaxed); }
@@ -127,6 +128,7 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 inline mem_flags operator|(mem_flags a, mem_flags b) {
   return static_cast<mem_flags>(static_cast<int>(a) | static_cast<int>(b));
 }
+inline void atomic_thread_fence(mem_flags, memory_order, thread_scope) { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 namespace metal {
 using std::abs;
@@ -227,15 +229,19 @@ struct Ids {
   uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
 };
 
-// Runs fn for every thread of a dispatch_threads(grid, group) launch.
-inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)>& fn) {
+// Runs fn for every thread of a dispatch_threads(grid, group) launch, threadgroups one after another, in index order
+// or, with `reversed`, last first (a kernel that orders its threadgroups must not depend on their indices).
+inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)>& fn, bool reversed = false) {
   const uint3 groups((grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y,
                      (grid.z + group.z - 1) / group.z);
   const int n = static_cast<int>(group.x * group.y * group.z);
   const int nsimd = (n + 31) / 32;
-  for (uint gz = 0; gz < groups.z; ++gz)
-    for (uint gy = 0; gy < groups.y; ++gy)
-      for (uint gx = 0; gx < groups.x; ++gx) {
+  for (uint iz = 0; iz < groups.z; ++iz)
+    for (uint iy = 0; iy < groups.y; ++iy)
+      for (uint ix = 0; ix < groups.x; ++ix) {
+        const uint gx = reversed ? groups.x - 1 - ix : ix;
+        const uint gy = reversed ? groups.y - 1 - iy : iy;
+        const uint gz = reversed ? groups.z - 1 - iz : iz;
         std::barrier<> bar(n);
         std::vector<Simdgroup*> simds;
         for (int s = 0; s < nsimd; ++s) simds.push_back(new Simdgroup(std::min(32, n - 32 * s)));

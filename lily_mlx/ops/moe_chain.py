@@ -1,0 +1,182 @@
+"""moe_chain: a decode step's whole MoE block in one launch (kernels/moe_chain.inc, CUDA and Metal): the router's
+logits, moe_gate_up's body and moe_down_combine's body as three phases of one grid, ordered through counters in
+device memory. A decode step is bound by MLX's CPU cost per launch (H200: ~12.8 us for each of its 247 primitives,
+BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (40 of 80 launches a step
+at the 35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
+
+Each layer owns its counters (`sync_counters`): 16 int32 zeros that every launch leaves zero again. Switch
+"moe_chain", opt-in: its ordering has run on the CPU emulator only (threadgroups one after another), not yet on a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import kernels, moe, register_kernel
+
+SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS")
+SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
+SHARED_BYTES = 32768  # Metal's threadgroup memory
+
+
+def router_rows_in_flight(H: int, router_bits: int) -> int:
+    """Router rows a warp computes at once (lily_router_rows' RR): up to 4 rows' 16-byte chunks a lane."""
+    chunks_per_lane = -(-(H * router_bits // 128) // 32)
+    return 1 if chunks_per_lane >= 4 else 4 // chunks_per_lane
+
+
+def plan(M: int, K: int, H: int, I: int, IS: int, LS: int, bits: int, router_bits: int, rps: Optional[int] = None,
+         warps: Optional[int] = None) -> dict:
+    """One block size for the three phases (moe_gate_up's plan; `rps` and `warps` forced by tests), moe_down_combine's
+    rows planned for it, and the router's rows per block: a warp's rows in flight, once."""
+    gate_up = moe.plan_gate_up(M, K, H, I, IS, bits, rps, warps)
+    warps = gate_up["WARPS"]
+    down = moe.plan_down(M, K, H, I, IS, bits, warps=warps)
+    rrows = warps * router_rows_in_flight(H, router_bits)
+    return {"gate_up": gate_up, "down": down, "WARPS": warps, "RROWS": rrows,
+            "blocks": M * -(-LS // rrows) + gate_up["blocks"] + down["blocks"]}
+
+
+def shared_bytes(K: int, H: int, I: int, IS: int, bits: int, warps: int) -> int:
+    """moe_chain.inc's threadgroup memory: staged floats, their chunk sums, the norm's scratch, the ticket."""
+    floats = max(H, K * I + IS)
+    return 4 * (floats + floats // (128 // bits) + warps + 1)
+
+
+def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k: int, group_size: int,
+                bits: int) -> Optional[str]:
+    """Why moe_chain does not apply (None when it does): every check of the kernels whose bodies it runs."""
+    if norm is None:
+        return "no norm: the chained block stages the post-attention RMSNorm's output"
+    E, I, IS = gate[0].shape[0], gate[0].shape[1], shared_gate[0].shape[0]
+    why = moe.unsupported_router(x, router, E)
+    if why:
+        return why
+    lead, H = x.shape[:-1], x.shape[-1]
+    logits = kernels.Shaped((*lead, router[0].shape[0]), x.dtype)
+    why = moe.unsupported_gate_up(x, norm, logits, gate, up, shared_gate, shared_up, top_k, group_size, bits)
+    if why:
+        return why
+    parts = moe._packed_parts(lead, top_k, I, IS)
+    why = moe.unsupported_down(*parts, logits, down, shared_down, x, group_size, bits)
+    if why:
+        return why
+    p = plan(x.size // H, top_k, H, I, IS, logits.shape[-1], bits, router[3])
+    if p["down"]["inflight"] > moe.MAX_INFLIGHT:
+        return f"more than {moe.MAX_INFLIGHT} weight chunks in flight per lane at {p['WARPS']} warps"
+    if shared_bytes(top_k, H, I, IS, bits, p["WARPS"]) > SHARED_BYTES:
+        return f"over Metal's {SHARED_BYTES} bytes of threadgroup memory"
+    return None
+
+
+def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_bits, router_group, *, norm_dtype=None,
+             eps=1e-6, normalize=True, router_scale_dtype=mx.bfloat16, p: Optional[dict] = None) -> kernels.Instance:
+    LS = E + 1
+    p = p or plan(M, K, H, I, IS, LS, bits, router_bits)
+    gate_up = moe.gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size,
+                                   norm_dtype=norm_dtype or x_dtype, eps=eps, LS=LS, normalize=normalize,
+                                   plan=p["gate_up"])
+    down = moe.down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, LS=LS, plan=p["down"])
+    template = gate_up.template + (("DLANES", p["down"]["LANES"]), ("DRPS", p["down"]["RPS"]), ("RBITS", router_bits),
+                                   ("RGS", router_group), ("RROWS", p["RROWS"]))
+    router = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
+              (router_scale_dtype, (LS, H // router_group)))
+    inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (SYNC_SLOTS,)),)
+    return kernels.Instance(template, inputs, (x_dtype, x_dtype, mx.float32))
+
+
+# id(owner array) -> {stream: counters}; an entry goes with its owner.
+_SYNC: dict[int, dict[str, mx.array]] = {}
+
+
+def sync_counters(owner: mx.array) -> mx.array:
+    """The counters of the launches that `owner` (a layer's own weight) takes part in, on the current stream: two
+    launches at once on one set would mix their tickets. Made from host data, so even a first call inside an
+    mx.compile trace makes a constant of the trace, not a primitive that refills it every step."""
+    key = id(owner)
+    per_stream = _SYNC.get(key)
+    if per_stream is None:
+        per_stream = _SYNC[key] = {}
+        weakref.finalize(owner, _SYNC.pop, key, None)
+    stream = str(mx.default_stream(mx.default_device()))
+    if stream not in per_stream:
+        per_stream[stream] = mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
+    return per_stream[stream]
+
+
+_LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width), or None
+
+
+def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize, group_size, bits):
+    key = (moe._signature(x, *router[:3], *gate, *up, *down, *shared_gate, *shared_up, *shared_down), router[3:],
+           None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]), top_k, normalize, group_size, bits)
+    hit = _LAUNCH.get(key, False)
+    if hit is not False:
+        return hit
+    launch = None
+    if unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, group_size,
+                   bits) is None:
+        H, K = x.shape[-1], top_k
+        M, (E, I, _), IS = x.size // H, gate[0].shape, shared_gate[0].shape[0]
+        LS = router[0].shape[0]
+        p = plan(M, K, H, I, IS, LS, bits, router[3])
+        inst = instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size, router[3], router[4],
+                        norm_dtype=norm[0].dtype, eps=norm[1], normalize=normalize, router_scale_dtype=router[1].dtype,
+                        p=p)
+        threads = 32 * p["WARPS"]
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), LS, moe.packed_width(K, I, IS))
+    _LAUNCH[key] = launch
+    return launch
+
+
+def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, *, top_k: int, normalize: bool,
+          group_size: int, bits: int, backend: str, init_value: Optional[float] = None):
+    """x + MoE(rmsnorm(x)) as ops.moe_decode computes it, from the quantized router itself: router = (w [E + 1,
+    H*b/32], scales, biases, b, group), the shared-expert gate's row last. -> (y [..., H], logits [..., E + 1] in x's
+    dtype, packed [..., moe.packed_width(k, I, Is)] float32: h, hs, ids, weights), or None if not applicable."""
+    launch = _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize,
+                     group_size, bits)
+    if launch is None:
+        return None
+    template, grid, group, LS, width = launch
+    lead = x.shape[:-1]
+    inputs = [x, norm[0], *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
+              sync_counters(down[0])]
+    return tuple(kernels.call("moe_chain", backend, inputs, template, grid, group,
+                              [x.shape, (*lead, LS), (*lead, width)], [x.dtype, x.dtype, mx.float32], init_value))
+
+
+def _instances() -> list[kernels.Instance]:
+    """The model's (8-bit router, group 64) and the test shapes' (4- and 8-bit routers)."""
+    insts = []
+    for (x_dt, scale_dt, M, K, E, H, I, IS, bits, gs) in moe._combos():
+        if H % 64 == 0:
+            insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 8, 64, normalize=K != 3))
+        if H % 32 == 0:
+            insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 4, 32, normalize=K != 3))
+    return kernels.unique_instances(insts, key=kernels.source_key)
+
+
+SPEC = kernels.register_spec(kernels.KernelSpec(
+    name="moe_chain", body="moe_chain.inc",
+    input_names=("x", "nw", "wr", "sr", "br") + moe.GATE_UP_SPEC.input_names[3:] + moe.DOWN_SPEC.input_names[5:11]
+    + ("sync",),
+    output_names=("y", "logits", "packed"), template_params=SPEC_PARAMS,
+    description="a decode step's MoE block in one launch: router, routed and shared gate/up, down, combine, residual",
+    instances=_instances, defines=("LILY_MOE_PACKED", "LILY_CHAIN"),
+))
+
+
+def _dispatch(*args, **kwargs):
+    from . import backend
+
+    out = chain(*args, **kwargs, backend=backend())
+    return None if out is None else out[0]
+
+
+# Opt-in until its cuda tests and the decode step's timing have run on the H200.
+register_kernel("moe_chain", SPEC.description, _dispatch, default_on=False)

@@ -1,0 +1,182 @@
+"""moe_chain (a decode step's MoE block in one launch) against the float64 oracles of test_moe_kernels, phase by phase.
+
+CPU: the kernel's Metal source on the shim's SIMT emulator (outputs start as NaN bytes), its threadgroups run in index
+order or last first (the phases must follow the tickets, not the indices), and its counters read back: every launch
+leaves them zero. The dispatcher rules. `cuda` / `metal`: the same cases through MLX, two launches on one layer's
+counters, and the embedded model's decode steps with the switch on vs off.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import lily_mlx.ops as ops
+from emulator import GXX, Emulator
+from switch_ab import decode_rel_err
+from test_moe_kernels import NAN, ROUTED, _case, _check_down, _check_routed, _gate_up_standin, _id, _router
+from lily_mlx.ops import kernels, moe, moe_chain
+
+# (case with the norm on: the chained block always stages the post-attention norm, router bits, router group).
+CHAIN = [(c[:10] + (True,), rbits, rgs) for c, rbits, rgs in ROUTED]
+MODEL = [((M, 8, 256, 2048, 512, 512, 64, 4, dt, None, True), 8, 64) for M, dt in ((1, mx.bfloat16), (3, mx.float32))]
+
+
+def _args(a, router):
+    return [a["x"], a["norm"][0], *router[:3], *a["gate"], *a["up"], *a["shared_gate"], *a["shared_up"], *a["down"],
+            *a["shared_down"]]
+
+
+def _unpack(packed, k, I, IS):
+    """packed [M, k*I + Is + 2k] -> (h [M, k, I], hs [M, Is], ids [M, k] int32, weights [M, k])."""
+    M = packed.shape[0]
+    h = packed[:, :k * I].reshape(M, k, I)
+    ids = packed[:, k * I + IS:k * I + IS + k].astype(mx.int32)
+    return h, packed[:, k * I:k * I + IS], ids, packed[:, k * I + IS + k:]
+
+
+def _check(c, a, router, y, logits, packed):
+    """Each phase against its oracle, fed the kernel's own results of the phase before: the logits (x' times the
+    router), gate/up routed by them, then down, combine and residual from the kernel's h, hs, ids and weights."""
+    M, k, E, H, I, IS = c[:6]
+    h, hs, ids, w = _unpack(packed, k, I, IS)
+    _check_routed(c, a, router, (h, hs, ids, w, logits))
+    return _check_down(c, dict(a, h=h, hs=hs, inds=ids, scores=w, logits=logits, residual=a["x"]), y)
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_oracle(tmp_path):
+    """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
+    first; the counters come back zero."""
+    emu, checks = Emulator(tmp_path), []
+    runs = [(r, None) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8})]
+    for n, ((c, rbits, rgs), forced) in enumerate(runs):
+        M, k, E, H, I, IS, gs, bits, dt = c[:9]
+        a, router = _case(c), _router(c, rbits, rgs)
+        p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
+        inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p)
+        args = _args(a, router) + [mx.zeros((moe_chain.SYNC_SLOTS,), dtype=mx.int32)]
+        threads = 32 * p["WARPS"]
+        emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
+                [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
+                read_back=(len(args) - 1,))
+        checks.append((c, a, router))
+    for (c, a, router), (y, logits, packed, sync) in zip(checks, emu.run()):
+        _check(c, a, router, y, logits, packed)
+        assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
+
+
+def test_plan_shares_one_block_size():
+    """The three phases run in blocks of one size: down's rows are planned for gate/up's warps, and the router's
+    rows per block are a warp's rows in flight (one 16-byte chunk of 8-bit codes a lane: 4 chunks at H = 2048)."""
+    p = moe_chain.plan(1, 8, 2048, 512, 512, 257, 4, 8)
+    assert p["WARPS"] == p["gate_up"]["WARPS"] == 8 and p["RROWS"] == 8
+    assert p["down"]["RPS"] == 1 and p["down"]["inflight"] <= moe.MAX_INFLIGHT
+    assert p["blocks"] == 33 + p["gate_up"]["blocks"] + p["down"]["blocks"]
+    assert moe_chain.plan(3, 8, 2048, 512, 512, 257, 4, 4)["RROWS"] == 16  # 4-bit router: 2 chunks a lane, 2 rows
+
+
+def test_unsupported_arguments_are_declined():
+    """unsupported names the problem; chain() then returns None and launches nothing."""
+    c, rbits, rgs = CHAIN[2]
+    M, k, E, H, I, IS, gs, bits = c[:8]
+    a, router = _case(c), _router(c, rbits, rgs)
+    args = (a["x"], a["norm"], router, a["gate"], a["up"], a["down"], a["shared_gate"], a["shared_up"],
+            a["shared_down"], k)
+    assert moe_chain.unsupported(*args, gs, bits) is None
+    assert "no norm" in moe_chain.unsupported(a["x"], None, *args[2:], gs, bits)
+    assert "router bits=3" in moe_chain.unsupported(a["x"], a["norm"], (*router[:3], 3, rgs), *args[3:], gs, bits)
+    many = mx.zeros((moe.MAX_M + 1, H), dtype=a["x"].dtype)
+    assert "tokens" in moe_chain.unsupported(many, *args[1:], gs, bits)
+    assert moe_chain.chain(many, *args[1:-1], top_k=k, normalize=True, group_size=gs, bits=bits, backend="cuda") is None
+
+
+def test_counters_are_per_layer_and_stream():
+    """A layer's counters are one array on a stream, another on another stream, and another for another layer."""
+    w1, w2 = mx.zeros((4,)), mx.zeros((4,))
+    s = moe_chain.sync_counters(w1)
+    assert s is moe_chain.sync_counters(w1) and s is not moe_chain.sync_counters(w2)
+    assert s.dtype == mx.int32 and s.shape == (moe_chain.SYNC_SLOTS,) and not np.array(s).any()
+    with mx.stream(mx.new_stream(mx.default_device())):
+        assert moe_chain.sync_counters(w1) is not s
+    del w1
+    assert all(v is not s for d in moe_chain._SYNC.values() for v in d.values())  # gone with its layer
+
+
+def test_chain_is_opt_in_and_needs_both_moe_kernels(monkeypatch):
+    """moe_chain is off by default; on, ops.moe_decode hands it the router and returns its result; with moe_gate_up
+    or moe_down_combine switched off (ablation) it is not tried; declined, the two-kernel path runs."""
+    c, rbits, rgs = CHAIN[2]
+    M, k, E, H, I, IS, gs, bits = c[:8]
+    a, router = _case(c), _router(c, rbits, rgs)
+    seen = []
+    monkeypatch.setitem(ops._kernels, "moe_chain", lambda x, norm, r, *args, **kw: seen.append(r) or a["residual"])
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+
+    def decode():
+        return ops.moe_decode(a["x"], a["norm"][0], 1e-6, a["logits"], a["gate"], a["up"], a["down"], a["shared_gate"],
+                              a["shared_up"], a["shared_down"], top_k=k, normalize=a["normalize"], group_size=gs,
+                              bits=bits, router=router)
+
+    monkeypatch.setitem(ops._kernels, "moe_gate_up", lambda *args, **kw: _gate_up_standin(a, c))
+    monkeypatch.setitem(ops._kernels, "moe_down_combine", lambda *args, **kw: a["x"])
+    monkeypatch.setitem(ops._kernels, "moe_route", lambda *args, **kw: None)  # the unfused path's router: MLX's
+    assert decode() is a["x"] and not seen
+    with ops.switched("moe_chain", True):
+        assert decode() is a["residual"] and seen == [router]
+        for off in ("moe_gate_up", "moe_down_combine"):
+            with ops.switched(off, False):
+                decode()
+        assert len(seen) == 1
+    monkeypatch.setitem(ops._kernels, "moe_chain", lambda *args, **kw: None)
+    with ops.switched("moe_chain", True):
+        assert decode() is a["x"]
+
+
+def _gpu(backend, c, rbits, rgs):
+    """Two launches on one layer's counters: both right, the second equal to the first, the counters zero after."""
+    M, k, E, H, I, IS, gs, bits = c[:8]
+    a, router = _case(c), _router(c, rbits, rgs)
+    args = (a["x"], a["norm"], router, a["gate"], a["up"], a["down"], a["shared_gate"], a["shared_up"], a["shared_down"])
+    run = lambda: moe_chain.chain(*args, top_k=k, normalize=a["normalize"], group_size=gs, bits=bits, backend=backend,
+                                  init_value=NAN)
+    first = run()
+    mx.eval(first)
+    second = run()
+    mx.eval(second)
+    _check(c, a, router, *first)
+    for f, s in zip(first, second):
+        assert mx.array_equal(f, s, equal_nan=True).item(), f"{_id(c)}: a second launch differs"
+    assert not np.array(moe_chain.sync_counters(a["down"][0])).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,rbits,rgs", CHAIN + MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+def test_chain_cuda(case, rbits, rgs):
+    _gpu("cuda", case, rbits, rgs)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case,rbits,rgs", CHAIN + MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+def test_chain_metal(case, rbits, rgs):
+    _gpu("metal", case, rbits, rgs)
+
+
+def _decode_with_chain(backend_marker: str) -> None:
+    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with moe_chain on vs off: the chain runs
+    (none declined) and the step logits agree."""
+    before = ops.declined.get("moe_chain", 0)
+    err = decode_rel_err("moe_chain", dtype=mx.float32)
+    assert ops.declined.get("moe_chain", 0) == before, "moe_chain declined the embedded model's MoE blocks"
+    assert err < 1e-4, f"{backend_marker}: decode logits with moe_chain: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_cuda():
+    _decode_with_chain("cuda")
+
+
+@pytest.mark.metal
+def test_decode_with_chain_metal():
+    _decode_with_chain("metal")
