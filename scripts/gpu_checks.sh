@@ -63,6 +63,15 @@ done
 # Each kernel alone against MLX's path (or its switch off) at the 35B shapes: new, moe_combine and moe_gemm_staged
 # against the default moe_gemm in one process.
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
+# Issue 4: moe_chain (a MoE block in one launch) on vs off in the decode step, alternating in one process; and the
+# same under MLX_MAX_MB_PER_BUFFER raised in a second process. MLX commits its CUDA graph once the inputs of its
+# launches pass 1000 MB (H100/H200 default), and each MoE launch lists every expert's weights (~600 MB for gate/up):
+# by default a decode step commits about every two launches instead of every 100.
+for mb in "" 1000000; do
+  step 60 110 "decode step, moe_chain on vs off${mb:+, MLX_MAX_MB_PER_BUFFER=$mb}" env ${mb:+MLX_MAX_MB_PER_BUFFER=$mb} \
+    python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch moe_chain \
+    --json "$res/decode_ab_moe_chain${mb:+_mb}.json"
+done
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
 # (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB
