@@ -59,22 +59,4 @@ LILY_INLINE void lily_atomic_store(lily_atomic_int* p, int v) { *p = v; }
 // Lanes of one warp meet (shared-memory writes by one lane visible to the others).
 #define LILY_WARP_SYNC() __syncwarp()
 
-// Phases of one launch ordered across its blocks (moe_chain), through int counters in device memory that are zero
-// at launch (an input the kernel writes: const only in MLX's signature). A block's ticket is its place in the
-// order blocks start in, so a block only ever waits on blocks that started before it (no residency assumed).
-LILY_INLINE int lily_sync_ticket(const int* sync) { return atomicAdd(const_cast<int*>(sync), 1); }
-// The block's writes (ordered before this by a barrier) made visible device-wide, then counted.
-LILY_INLINE int lily_sync_arrive(const int* sync, int slot) {
-  __threadfence();
-  return atomicAdd(const_cast<int*>(sync) + slot, 1);
-}
-LILY_INLINE void lily_sync_wait(const int* sync, int slot, int count) {
-  const volatile int* p = sync + slot;
-  while (*p < count) __nanosleep(64);
-  __threadfence();
-}
-LILY_INLINE void lily_sync_reset(const int* sync, int slots) {
-  for (int i = 0; i < slots; ++i) atomicExch(const_cast<int*>(sync) + i, 0);
-}
-
 #endif

@@ -55,27 +55,4 @@ LILY_INLINE int lily_atomic_add(LILY_TG_PTR lily_atomic_int* p, int v) {
 LILY_INLINE int lily_atomic_load(LILY_TG_PTR lily_atomic_int* p) { return atomic_load_explicit(p, memory_order_relaxed); }
 LILY_INLINE void lily_atomic_store(LILY_TG_PTR lily_atomic_int* p, int v) { atomic_store_explicit(p, v, memory_order_relaxed); }
 
-// Phases of one launch ordered across its threadgroups (moe_chain): prelude_cuda.h's lily_sync_*, with Metal's
-// relaxed device atomics and device-scope fences (as MLX's own fence kernels use). The counters are int32 in
-// device memory (an input of over 8 elements: MLX puts smaller ones in the read-only constant space).
-#define LILY_SYNC_PTR(p) ((device atomic_int*)(p))
-LILY_INLINE void lily_device_fence() {
-  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-}
-LILY_INLINE int lily_sync_ticket(const device int* sync) {
-  return atomic_fetch_add_explicit(LILY_SYNC_PTR(sync), 1, memory_order_relaxed);
-}
-LILY_INLINE int lily_sync_arrive(const device int* sync, int slot) {
-  lily_device_fence();
-  return atomic_fetch_add_explicit(LILY_SYNC_PTR(sync) + slot, 1, memory_order_relaxed);
-}
-LILY_INLINE void lily_sync_wait(const device int* sync, int slot, int count) {
-  while (atomic_load_explicit(LILY_SYNC_PTR(sync) + slot, memory_order_relaxed) < count) {
-  }
-  lily_device_fence();
-}
-LILY_INLINE void lily_sync_reset(const device int* sync, int slots) {
-  for (int i = 0; i < slots; ++i) atomic_store_explicit(LILY_SYNC_PTR(sync) + i, 0, memory_order_relaxed);
-}
-
 #endif

@@ -191,12 +191,15 @@ def common_header(text: str) -> str:
 
 def header(backend: str, body_text: str = "") -> str:
     """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma) and their
-    direct-fragment ones if it calls those (lily_df_), and the common helpers it needs."""
+    direct-fragment ones if it calls those (lily_df_), its cross-block ordering if it calls that (lily_sync_), and
+    the common helpers it needs."""
     _check_backend(backend)
-    mma = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma", body_text) else ""
+    extra = read_source(f"mma_{backend}.h") if re.search(r"\blily_mma", body_text) else ""
     if re.search(r"\blily_df_", body_text):
-        mma += read_source(f"mma_direct_{backend}.h")
-    return read_source(f"prelude_{backend}.h") + mma + common_header(body_text)
+        extra += read_source(f"mma_direct_{backend}.h")
+    if re.search(r"\blily_sync_", body_text):
+        extra += read_source(f"sync_{backend}.h")
+    return read_source(f"prelude_{backend}.h") + extra + common_header(body_text)
 
 
 _CONDITIONAL = re.compile(r"#\s*(ifdef|ifndef|if|else|elif|endif)\b\s*(\w*)")
