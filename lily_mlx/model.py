@@ -130,17 +130,19 @@ class GatedDeltaNet(nn.Module):
 
     def _run(self, x, norm, mask, cache, residual):
         B, T, _ = x.shape
-        proj = self.fused_in(x, norm)  # [B, T, qkv | z | b | a]
+        proj = lambda: self.fused_in(x, norm)  # [B, T, qkv | z | b | a]
         conv_state = cache[0] if cache is not None and cache[0] is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_width - 1, self.conv_dim), dtype=x.dtype)
         lengths = cache.lengths if cache is not None else None
         state = cache[1] if cache is not None else None
-        # One token: the fused decode step where a kernel applies (same composition otherwise).
-        mixer = ops.deltanet_decode_step if T == 1 else ops.deltanet_mix
-        out, conv_state, state = mixer(proj, self.conv1d.weight, conv_state, self.A_log, self.dt_bias,
-                                       self.norm["weight"], state, num_key_heads=self.Hk, eps=self.norm.eps,
-                                       mask=mask, lengths=lengths)  # out [B, T, Hv*Dv]
+        args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state)
+        kw = dict(num_key_heads=self.Hk, eps=self.norm.eps, mask=mask, lengths=lengths)
+        if T == 1:  # one token: the fused decode step where a kernel applies (same composition otherwise)
+            source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_in.quantized())
+            out, conv_state, state = ops.deltanet_decode_step(proj, *args, source=source, **kw)
+        else:
+            out, conv_state, state = ops.deltanet_mix(proj(), *args, **kw)  # out [B, T, Hv*Dv]
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             cache.advance(T)

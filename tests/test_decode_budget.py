@@ -56,14 +56,17 @@ def _primitives(outputs, path) -> collections.Counter:
     return collections.Counter(nodes.values())
 
 
-@pytest.mark.parametrize("stacked, fold, chain", [(False, False, False), (True, False, False), (True, True, False),
-                                                  (True, True, True)],
-                         ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain"])
-def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain):
+@pytest.mark.parametrize("stacked, fold, chain, dn_chain", [(False, False, False, False), (True, False, False, False),
+                                                            (True, True, False, False), (True, True, True, False),
+                                                            (True, True, True, True)],
+                         ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain",
+                              "defaults+moe_chain+deltanet_chain"])
+def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain):
     """Kernel launches and other primitives of one compiled decode step of the 40-layer shape. With qmv_attn
     (attention's split merge inside o_proj) and dequant_rows (the embedding lookup in one launch), both on by
     default, the whole step, its embedding included, is within issue 4's budget of 250; moe_chain (opt-in) runs each
-    MoE block, its router included, as one launch: 80 fewer."""
+    MoE block, its router included, as one launch (80 fewer), and deltanet_chain each DeltaNet layer's input
+    projection and step (30 fewer)."""
     cached = 8
     model = _model()
     cache = model.make_cache()
@@ -84,7 +87,8 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain):
     monkeypatch.setattr(kernels, "call", standin)
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
-    with ops.switched("qmv_attn", fold), ops.switched("dequant_rows", fold), ops.switched("moe_chain", chain):
+    with ops.switched("qmv_attn", fold), ops.switched("dequant_rows", fold), ops.switched("moe_chain", chain), \
+            ops.switched("deltanet_chain", dn_chain):
         step = dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
     counts = _primitives(step, tmp_path / "step.dot")
     # The lookup's own primitives (MLX's gathers and dequantize; the CPU's graph decomposes the dequantize): counted
@@ -109,8 +113,13 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain):
         expected["qmv"] -= len(model.layers)
         del expected["moe_gate_up"], expected["moe_down_combine"]
         expected["moe_chain"] = len(model.layers)
+    if dn_chain:  # a DeltaNet layer's input qmv and its step: one launch
+        expected["qmv"] -= n_dn
+        del expected["deltanet_step"]
+        expected["deltanet_chain"] = n_dn
     assert dict(launches) == expected
-    per_layer = {"deltanet": PER_DELTANET - 2 * chain, "attention": PER_ATTENTION - 2 * chain + (split and not fold)}
+    per_layer = {"deltanet": PER_DELTANET - 2 * chain - dn_chain,
+                 "attention": PER_ATTENTION - 2 * chain + (split and not fold)}
     assert sum(launches.values()) == n_dn * per_layer["deltanet"] + n_attn * per_layer["attention"] + 1 + fold
 
     other = counts - embed
@@ -124,7 +133,8 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain):
     print(f"cached {cached}: {sum(launches.values())} kernel launches, {sum(other.values())} other primitives "
           f"{dict(other)}, embedding lookup {sum(embed.values())} on CPU's graph; {total} in all")
     step_total = sum(launches.values()) + sum(other.values())  # with dequant_rows, the embedding included
-    assert split and step_total == 272 - 16 * stacked - 9 * fold - 80 * chain  # 247 by default; 167 with moe_chain
+    # 247 by default; 167 with moe_chain, 137 with deltanet_chain too
+    assert split and step_total == 272 - 16 * stacked - 9 * fold - 80 * chain - 30 * dn_chain
     if fold:
         assert step_total <= 250
     if stacked and fold:

@@ -56,7 +56,7 @@ def test_chain_emulated_matches_oracle(tmp_path):
         a, router = _case(c), _router(c, rbits, rgs)
         p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
         inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p)
-        args = _args(a, router) + [mx.zeros((moe_chain.SYNC_SLOTS,), dtype=mx.int32)]
+        args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
         threads = 32 * p["WARPS"]
         emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
@@ -95,13 +95,13 @@ def test_unsupported_arguments_are_declined():
 def test_counters_are_per_layer_and_stream():
     """A layer's counters are one array on a stream, another on another stream, and another for another layer."""
     w1, w2 = mx.zeros((4,)), mx.zeros((4,))
-    s = moe_chain.sync_counters(w1)
-    assert s is moe_chain.sync_counters(w1) and s is not moe_chain.sync_counters(w2)
-    assert s.dtype == mx.int32 and s.shape == (moe_chain.SYNC_SLOTS,) and not np.array(s).any()
+    s = kernels.sync_counters(w1)
+    assert s is kernels.sync_counters(w1) and s is not kernels.sync_counters(w2)
+    assert s.dtype == mx.int32 and s.shape == (kernels.SYNC_SLOTS,) and not np.array(s).any()
     with mx.stream(mx.new_stream(mx.default_device())):
-        assert moe_chain.sync_counters(w1) is not s
+        assert kernels.sync_counters(w1) is not s
     del w1
-    assert all(v is not s for d in moe_chain._SYNC.values() for v in d.values())  # gone with its layer
+    assert all(v is not s for d in kernels._SYNC.values() for v in d.values())  # gone with its layer
 
 
 def test_chain_is_opt_in_and_needs_both_moe_kernels(monkeypatch):
@@ -148,7 +148,7 @@ def _gpu(backend, c, rbits, rgs):
     _check(c, a, router, *first)
     for f, s in zip(first, second):
         assert mx.array_equal(f, s, equal_nan=True).item(), f"{_id(c)}: a second launch differs"
-    assert not np.array(moe_chain.sync_counters(a["down"][0])).any()
+    assert not np.array(kernels.sync_counters(a["down"][0])).any()
 
 
 @pytest.mark.cuda

@@ -342,9 +342,18 @@ def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, sta
 
 
 def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
-                         eps: float, mask=None, lengths=None):
+                         eps: float, mask=None, lengths=None, source=None):
     """deltanet_mix for one token (T = 1): one fused launch where the kernel applies, else the same
-    composition. Right-padded batches (lengths) always take the composition."""
+    composition. Right-padded batches (lengths) always take the composition. proj: the fused projection
+    [B, 1, qkv | z | b | a], or a function returning it; source = (x [B, 1, K], (input norm weight, eps),
+    (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute proj in the
+    same launch, and a function given for proj is then not called."""
+    if lengths is None and source is not None:
+        out = _try("deltanet_chain", *source, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                   num_key_heads=num_key_heads, eps=eps, mask=mask)
+        if out is not None:
+            return out
+    proj = proj() if callable(proj) else proj
     if lengths is None:
         out = _try("deltanet_step", proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                    num_key_heads=num_key_heads, eps=eps, mask=mask)
@@ -517,6 +526,7 @@ from . import deltanet_prep as _deltanet_prep  # noqa: E402,F401
 from . import moe_router as _moe_router  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 from . import moe_chain as _moe_chain  # noqa: E402,F401
+from . import deltanet_chain as _deltanet_chain  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
 DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

@@ -17,11 +17,13 @@ import os
 import re
 import struct
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from . import metal_source
 
@@ -139,6 +141,26 @@ def placeholder(dtype: mx.Dtype) -> mx.array:
     a = mx.zeros((1,), dtype=dtype)
     mx.eval(a)
     return a
+
+
+SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
+_SYNC: dict[int, dict[str, mx.array]] = {}  # id(owner array) -> {stream: counters}; an entry goes with its owner
+
+
+def sync_counters(owner: mx.array) -> mx.array:
+    """The int32 counters (zero between launches) that a chained kernel orders its phases through (lily_sync_*), for
+    the launches `owner` (a layer's own weight) takes part in on the current stream: two launches at once on one set
+    would mix their tickets. Made from host data, so even a first call inside an mx.compile trace makes a constant of
+    the trace, not a primitive that refills it every step."""
+    key = id(owner)
+    per_stream = _SYNC.get(key)
+    if per_stream is None:
+        per_stream = _SYNC[key] = {}
+        weakref.finalize(owner, _SYNC.pop, key, None)
+    stream = str(mx.default_stream(mx.default_device()))
+    if stream not in per_stream:
+        per_stream[stream] = mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
+    return per_stream[stream]
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:

@@ -80,9 +80,10 @@ def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[
     def blocks(r, w, m=M):
         return m * -(-H // (w * sub * r))
 
-    if rps is None:
-        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)), warps or 8,
-                             4 if warps is None else warps)
+    if rps is None or warps is None:
+        fixed = warps if rps is None else None
+        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)),
+                             fixed or 8, fixed or 4)
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps), "inflight": per_row * rps}
 
 

@@ -4,22 +4,19 @@ device memory. A decode step is bound by MLX's CPU cost per launch (H200: ~12.8 
 BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (40 of 80 launches a step
 at the 35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
 
-Each layer owns its counters (`sync_counters`): 16 int32 zeros that every launch leaves zero again. Switch
+Each layer owns its counters (`kernels.sync_counters`): int32 zeros that every launch leaves zero again. Switch
 "moe_chain", opt-in: its ordering has run on the CPU emulator only (threadgroups one after another), not yet on a GPU.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
 from . import kernels, moe, register_kernel
 
 SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS")
-SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
 SHARED_BYTES = 32768  # Metal's threadgroup memory
 
 
@@ -85,27 +82,8 @@ def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_b
                                    ("RGS", router_group), ("RROWS", p["RROWS"]))
     router = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
               (router_scale_dtype, (LS, H // router_group)))
-    inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (SYNC_SLOTS,)),)
+    inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (kernels.SYNC_SLOTS,)),)
     return kernels.Instance(template, inputs, (x_dtype, x_dtype, mx.float32))
-
-
-# id(owner array) -> {stream: counters}; an entry goes with its owner.
-_SYNC: dict[int, dict[str, mx.array]] = {}
-
-
-def sync_counters(owner: mx.array) -> mx.array:
-    """The counters of the launches that `owner` (a layer's own weight) takes part in, on the current stream: two
-    launches at once on one set would mix their tickets. Made from host data, so even a first call inside an
-    mx.compile trace makes a constant of the trace, not a primitive that refills it every step."""
-    key = id(owner)
-    per_stream = _SYNC.get(key)
-    if per_stream is None:
-        per_stream = _SYNC[key] = {}
-        weakref.finalize(owner, _SYNC.pop, key, None)
-    stream = str(mx.default_stream(mx.default_device()))
-    if stream not in per_stream:
-        per_stream[stream] = mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
-    return per_stream[stream]
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width), or None
@@ -145,7 +123,7 @@ def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, 
     template, grid, group, LS, width = launch
     lead = x.shape[:-1]
     inputs = [x, norm[0], *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
-              sync_counters(down[0])]
+              kernels.sync_counters(down[0])]
     return tuple(kernels.call("moe_chain", backend, inputs, template, grid, group,
                               [x.shape, (*lead, LS), (*lead, width)], [x.dtype, x.dtype, mx.float32], init_value))
 

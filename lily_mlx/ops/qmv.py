@@ -37,9 +37,10 @@ MODEL_SHAPES = (
 )
 
 
-def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS) -> dict:
+def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps: Optional[int] = None) -> dict:
     """Launch shape: LANES lanes per row (a power of two dividing the row's 16-byte chunks, small
-    enough that x's tile fits), RPS rows per lane segment, WARPS per block, and the block count."""
+    enough that x's tile fits), RPS rows per lane segment, WARPS per block (`warps` given: kept, as a
+    chained kernel's blocks are all one size), and the block count."""
     cpc = 128 // bits
     chunks = K // cpc
     lanes = 32
@@ -49,10 +50,10 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS) -> dic
     cpl = -(-tch // lanes)
     sub = 32 // lanes
     rps = max(1, min(4, 8 // cpl))  # at most 8 chunks (128 bytes) of w in flight per lane
-    warps = 8
+    fixed, warps = warps is not None, warps or 8
     while rps > 1 and -(-N // (warps * sub * rps)) < min_blocks:
         rps //= 2
-    while warps > 4 and -(-N // (warps * sub * rps)) < min_blocks:  # below 4 warps x staging drags
+    while not fixed and warps > 4 and -(-N // (warps * sub * rps)) < min_blocks:  # below 4 warps x staging drags
         warps //= 2
     row_blocks = -(-N // (warps * sub * rps))
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}

@@ -1,0 +1,172 @@
+"""deltanet_chain (a DeltaNet decode token in one launch: input norm + fused projection, then the step) against the
+references, phase by phase: the projection against the float32 oracle, the step (fed the kernel's own projection)
+as tests/test_deltanet_step.py checks deltanet_step.
+
+CPU: the kernel's Metal source on the shim's SIMT emulator, threadgroups in index order or last first, the counters
+read back zero; the dispatcher rules. `cuda` / `metal`: the same through MLX, two launches on one layer's counters,
+and the embedded model's decode steps with the switch on vs off.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lily_mlx import ops
+from lily_mlx.ops import deltanet_chain as dc
+from lily_mlx.ops import kernels, qmv, reference
+from emulator import GXX, Emulator
+from switch_ab import decode_rel_err
+from test_deltanet_step import BF16, F32, Case, _check_step
+
+NAN = float("nan")
+
+# (Case, K, bits, group): Hk != Hv, Dk != Dv, B 1 and 3, float32 and bf16, a masked batch, 4- and 8-bit projections.
+CASES = [
+    (Case(1, 1, 3, 64, 32), 96, 4, 32),
+    (Case(3, 2, 6, 48, 40, dtypes=(BF16, BF16, F32, BF16, BF16)), 256, 8, 64),
+    (Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), masks=[[True, False, True]]), 96, 4, 32),
+]
+MODEL = [(Case(B, 16, 32, 128, 128, dtypes=(t, t, F32, t, t)), 2048, 4, 64) for B, t in ((1, BF16), (3, F32))]
+
+
+def _inputs(case, K, bits, gs, seed=0):
+    """x [B, 1, K], the input norm (weight, eps), the quantized projection [PW, K] scaled so that proj is O(1), the
+    step's parameters and state, and the mask."""
+    T = case.dtypes[0]
+    PW = case.C + case.Hv * case.Dv + 2 * case.Hv
+    k = mx.random.split(mx.random.key(seed), 3)
+    x = (mx.random.normal((case.B, 1, K), key=k[0]) * 2).astype(T)
+    norm = ((1 + 0.2 * mx.random.normal((K,), key=k[1])).astype(T), 1e-6)
+    w, s, b = mx.quantize(mx.random.normal((PW, K), key=k[2]) * (1.5 / K ** 0.5), group_size=gs, bits=bits)
+    conv_state, state = case.initial(seed)
+    mask = None if case.masks is None else mx.array(case.masks[0])[:, None]
+    return x, norm, (w, s.astype(BF16), b.astype(BF16), bits, gs), case.params(seed), conv_state, state, mask
+
+
+def _proj_ref(x, norm, in_proj):
+    w, s, b, bits, gs = in_proj
+    with mx.stream(mx.cpu):
+        xn = reference.rms_norm(x, norm[0], norm[1])
+        return reference.quantized_matmul_oracle(xn, w, s.astype(F32), b.astype(F32), group_size=gs,
+                                                 bits=bits).astype(F32)
+
+
+def _check(case, x, norm, in_proj, params, conv_state, state, mask, got):
+    out, conv_new, state_new, proj = got
+    ref = _proj_ref(x, norm, in_proj)
+    assert not mx.isnan(proj.astype(F32)).any().item(), f"{case}: unwritten (NaN) projection"
+    err = (mx.linalg.norm((proj.astype(F32) - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
+    assert err < (1e-5 if case.dtypes[0] == F32 else 8e-3), f"{case}: projection rel err {err:.2e}"
+    _check_step(case, 0, (out, conv_new, state_new), (proj, mask), params, conv_state, state)
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_reference(tmp_path):
+    emu, checks = Emulator(tmp_path), []
+    for n, (case, K, bits, gs) in enumerate(CASES):
+        x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
+        conv_w, A_log, dt_bias, norm_w = params
+        M = kernels.row_bucket(case.B)
+        inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
+                           norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1])
+        PW = in_proj[0].shape[0]
+        p = dc.plan(M, K, PW, bits, case.Dk, case.Dv)
+        args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
+                kernels.placeholder(mx.bool_) if mask is None else mask, mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
+        threads = 32 * p["WARPS"]
+        emu.add(dc.SPEC, inst, args, ((p["proj_blocks"] + case.B * case.Hv) * threads, 1, 1), (threads, 1, 1),
+                [(case.B, 1, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, 1, PW)],
+                reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
+        checks.append((case, x, norm, in_proj, params, conv_state, state, mask))
+    for c, (*got, sync) in zip(checks, emu.run()):
+        _check(*c, got)
+        assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
+
+
+def test_plan_runs_both_phases_in_the_steps_blocks():
+    """At the 35B shape: 16-warp blocks (deltanet_step's), each lane with qmv's own 8 weight chunks in flight (4 rows
+    of 2 chunks), so the 12,352 projection rows take 193 blocks of 64, with no persistent loop; the 32 heads after."""
+    p = dc.plan(1, 2048, 12352, 4, 128, 128)
+    assert p["WARPS"] == p["qmv"]["WARPS"] == 16
+    assert (p["qmv"]["LANES"], p["qmv"]["RPS"], p["proj_blocks"]) == (32, 4, 193)
+    assert qmv.plan(1, 2048, 12352, 4)["RPS"] == 4  # qmv's own plan: 8 warps, 386 blocks
+
+
+def test_unsupported_arguments_are_declined():
+    case, K, bits, gs = CASES[0]
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    args = (params[0], conv_state, params[1], params[2], params[3], state, case.Hk, case.eps)
+    assert dc.unsupported(x, norm, in_proj, *args) is None
+    assert "input norm" in dc.unsupported(x, None, in_proj, *args)
+    assert "bits=3" in dc.unsupported(x, norm, (*in_proj[:3], 3, gs), *args)
+    assert "shapes" in dc.unsupported(x, norm, tuple(a[:-1] for a in in_proj[:3]) + in_proj[3:], *args)  # a row short
+    assert dc.step(x, None, in_proj, *args[:6], num_key_heads=case.Hk, eps=case.eps, backend="cuda") is None
+
+
+def test_chain_is_opt_in_and_falls_back(monkeypatch):
+    """deltanet_chain is off by default; on, ops.deltanet_decode_step hands it the layer's input and does not build the
+    projection; declined, or without a source, the projection is built and deltanet_step runs on it."""
+    case, K, bits, gs = CASES[0]
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    result, built, seen = (mx.zeros((1,)),) * 3, [], []
+    monkeypatch.setitem(ops._kernels, "deltanet_chain", lambda *a, **k: seen.append(a[:3]) or result)
+    monkeypatch.setitem(ops._kernels, "deltanet_step", lambda proj, *a, **k: (proj,) * 3)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    proj = lambda: built.append(1) or mx.ones((1,))
+
+    def decode(source=(x, norm, in_proj)):
+        return ops.deltanet_decode_step(proj, params[0], conv_state, params[1], params[2], params[3], state,
+                                        num_key_heads=case.Hk, eps=case.eps, source=source)
+
+    assert decode()[0].item() == 1 and built == [1] and not seen
+    with ops.switched("deltanet_chain", True):
+        assert decode() is result and built == [1] and seen[0][0] is x
+        decode(None)
+        assert built == [1, 1] and len(seen) == 1
+        monkeypatch.setitem(ops._kernels, "deltanet_chain", lambda *a, **k: None)
+        assert decode()[0].item() == 1 and built == [1, 1, 1]
+
+
+def _gpu(backend, case, K, bits, gs):
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    run = lambda: dc.step(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
+                          num_key_heads=case.Hk, eps=case.eps, mask=mask, backend=backend, init_value=NAN)
+    first = run()
+    mx.eval(first)
+    second = run()
+    mx.eval(second)
+    _check(case, x, norm, in_proj, params, conv_state, state, mask, first)
+    for f, s in zip(first, second):
+        assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
+    assert not np.array(kernels.sync_counters(in_proj[0])).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,K,bits,gs", CASES + MODEL, ids=repr)
+def test_chain_cuda(case, K, bits, gs):
+    _gpu("cuda", case, K, bits, gs)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case,K,bits,gs", CASES + MODEL, ids=repr)
+def test_chain_metal(case, K, bits, gs):
+    _gpu("metal", case, K, bits, gs)
+
+
+def _decode_with_chain(backend_marker: str) -> None:
+    before = ops.declined.get("deltanet_chain", 0)
+    err = decode_rel_err("deltanet_chain", dtype=mx.float32)
+    assert ops.declined.get("deltanet_chain", 0) == before, "deltanet_chain declined the embedded model's layers"
+    assert err < 1e-4, f"{backend_marker}: decode logits with deltanet_chain: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_cuda():
+    _decode_with_chain("cuda")
+
+
+@pytest.mark.metal
+def test_decode_with_chain_metal():
+    _decode_with_chain("metal")
