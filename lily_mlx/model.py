@@ -138,14 +138,23 @@ class GatedDeltaNet(nn.Module):
         state = cache[1] if cache is not None else None
         args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state)
         kw = dict(num_key_heads=self.Hk, eps=self.norm.eps, mask=mask, lengths=lengths)
+        h = None
         if T == 1:  # one token: the fused decode step where a kernel applies (same composition otherwise)
             source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_in.quantized())
-            out, conv_state, state = ops.deltanet_decode_step(proj, *args, source=source, **kw)
+            o = None if residual is None or source is None else output_weights(self.out_proj, residual, x.dtype)
+            chained = None if o is None or lengths is not None else ops.deltanet_decode_add(
+                *source, (*o[0], o[2], o[1]), residual, *args, num_key_heads=self.Hk, eps=self.norm.eps, mask=mask)
+            if chained is not None:  # the output projection and the residual add included
+                h, conv_state, state = chained
+            else:
+                out, conv_state, state = ops.deltanet_decode_step(proj, *args, source=source, **kw)
         else:
             out, conv_state, state = ops.deltanet_mix(proj(), *args, **kw)  # out [B, T, Hv*Dv]
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             cache.advance(T)
+        if h is not None:
+            return h
         return self.out_proj(out) if residual is None else added(self.out_proj, out, residual)
 
 

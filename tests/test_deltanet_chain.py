@@ -29,6 +29,8 @@ CASES = [
     (Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), masks=[[True, False, True]]), 96, 4, 32),
 ]
 MODEL = [(Case(B, 16, 32, 128, 128, dtypes=(t, t, F32, t, t)), 2048, 4, 64) for B, t in ((1, BF16), (3, F32))]
+# deltanet_chain_out: the cases whose Hv*Dv a group of 32 divides (the output projection's input).
+OUT_CASES = [c for c in CASES if c[0].Hv * c[0].Dv % 32 == 0]
 
 
 def _inputs(case, K, bits, gs, seed=0):
@@ -45,43 +47,70 @@ def _inputs(case, K, bits, gs, seed=0):
     return x, norm, (w, s.astype(BF16), b.astype(BF16), bits, gs), case.params(seed), conv_state, state, mask
 
 
-def _proj_ref(x, norm, in_proj):
-    w, s, b, bits, gs = in_proj
+def _out_proj(case, K, seed=0):
+    """The output projection [K, Hv*Dv] (the residual stream is the layer's input x), group 32."""
+    wo = mx.random.normal((K, case.Hv * case.Dv), key=mx.random.key(seed + 77)) * (1.0 / (case.Hv * case.Dv) ** 0.5)
+    w, s, b = mx.quantize(wo, group_size=32, bits=4)
+    return w, s.astype(BF16), b.astype(BF16), 4, 32
+
+
+def _matmul_ref(x, q):
+    w, s, b, bits, gs = q
     with mx.stream(mx.cpu):
-        xn = reference.rms_norm(x, norm[0], norm[1])
-        return reference.quantized_matmul_oracle(xn, w, s.astype(F32), b.astype(F32), group_size=gs,
+        return reference.quantized_matmul_oracle(x, w, s.astype(F32), b.astype(F32), group_size=gs,
                                                  bits=bits).astype(F32)
 
 
-def _check(case, x, norm, in_proj, params, conv_state, state, mask, got):
-    out, conv_new, state_new, proj = got
-    ref = _proj_ref(x, norm, in_proj)
-    assert not mx.isnan(proj.astype(F32)).any().item(), f"{case}: unwritten (NaN) projection"
-    err = (mx.linalg.norm((proj.astype(F32) - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
-    assert err < (1e-5 if case.dtypes[0] == F32 else 8e-3), f"{case}: projection rel err {err:.2e}"
+def _close(case, what, got, ref):
+    assert not mx.isnan(got.astype(F32)).any().item(), f"{case}: unwritten (NaN) {what}"
+    err = (mx.linalg.norm((got.astype(F32) - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
+    assert err < (1e-5 if case.dtypes[0] == F32 else 8e-3), f"{case}: {what} rel err {err:.2e}"
+
+
+def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_proj=None):
+    """Phase by phase: the projection against the oracle, the step fed the kernel's projection, then (out_proj) h
+    against x + the output projection of the kernel's own step output."""
+    out, conv_new, state_new, proj = got[:4]
+    with mx.stream(mx.cpu):
+        xn = reference.rms_norm(x, norm[0], norm[1])
+    _close(case, "projection", proj, _matmul_ref(xn, in_proj))
     _check_step(case, 0, (out, conv_new, state_new), (proj, mask), params, conv_state, state)
+    if out_proj is not None:
+        assert got[4].dtype == x.dtype and got[4].shape == x.shape
+        _close(case, "h", got[4], x.astype(F32) + _matmul_ref(out, out_proj))
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_chain_emulated_matches_reference(tmp_path):
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero."""
     emu, checks = Emulator(tmp_path), []
-    for n, (case, K, bits, gs) in enumerate(CASES):
+    runs = [(c, False) for c in CASES] + [(c, True) for c in OUT_CASES]
+    for n, ((case, K, bits, gs), with_out) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
+        out_proj = _out_proj(case, K, seed=n) if with_out else None
         conv_w, A_log, dt_bias, norm_w = params
         M = kernels.row_bucket(case.B)
+        o = None if out_proj is None else (K, 4, 32, BF16)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
-                           norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1])
+                           norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
+                           o)
         PW = in_proj[0].shape[0]
-        p = dc.plan(M, K, PW, bits, case.Dk, case.Dv)
+        p = dc.plan(M, K, PW, bits, case.Dk, case.Dv, None if o is None else (case.Hv * case.Dv, K, 4))
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
-                kernels.placeholder(mx.bool_) if mask is None else mask, mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
+                kernels.placeholder(mx.bool_) if mask is None else mask]
+        shapes = [(case.B, 1, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, 1, PW)]
+        blocks = p["proj_blocks"] + case.B * case.Hv
+        if out_proj is not None:
+            args += [*out_proj[:3], x]
+            shapes.append(x.shape)
+            blocks += p["out"]["blocks"]
+        args.append(mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32))
         threads = 32 * p["WARPS"]
-        emu.add(dc.SPEC, inst, args, ((p["proj_blocks"] + case.B * case.Hv) * threads, 1, 1), (threads, 1, 1),
-                [(case.B, 1, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, 1, PW)],
+        emu.add(dc.OUT_SPEC if with_out else dc.SPEC, inst, args, (blocks * threads, 1, 1), (threads, 1, 1), shapes,
                 reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
-        checks.append((case, x, norm, in_proj, params, conv_state, state, mask))
-    for c, (*got, sync) in zip(checks, emu.run()):
-        _check(*c, got)
+        checks.append(((case, x, norm, in_proj, params, conv_state, state, mask), out_proj))
+    for (c, out_proj), (*got, sync) in zip(checks, emu.run()):
+        _check(*c, got, out_proj)
         assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
 
 
@@ -129,15 +158,41 @@ def test_chain_is_opt_in_and_falls_back(monkeypatch):
         assert decode()[0].item() == 1 and built == [1, 1, 1]
 
 
-def _gpu(backend, case, K, bits, gs):
+def test_chain_out_is_opt_in_and_needs_its_kernels(monkeypatch):
+    """ops.deltanet_decode_add tries deltanet_chain_out only when it is on and deltanet_step and qmv are not switched
+    off (ablation); otherwise, or declined, it returns None and the layer runs the step and its projection."""
+    case, K, bits, gs = OUT_CASES[0]
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    result, seen = (mx.zeros((1,)),) * 3, []
+    monkeypatch.setitem(ops._kernels, "deltanet_chain_out", lambda *a, **k: seen.append(k) or result)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    out_proj = _out_proj(case, K)
+
+    def decode():
+        return ops.deltanet_decode_add(x, norm, in_proj, out_proj, x, params[0], conv_state, params[1], params[2],
+                                       params[3], state, num_key_heads=case.Hk, eps=case.eps)
+
+    assert decode() is None and not seen
+    with ops.switched("deltanet_chain_out", True):
+        assert decode() is result and seen[0]["out_proj"] is out_proj and seen[0]["residual"] is x
+        for off in ("deltanet_step", "qmv"):
+            with ops.switched(off, False):
+                assert decode() is None
+        assert len(seen) == 1
+
+
+def _gpu(backend, case, K, bits, gs, with_out=False):
+    """Two launches on one layer's counters: both right, the second equal to the first, the counters zero after."""
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    out_proj = _out_proj(case, K) if with_out else None
     run = lambda: dc.step(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
-                          num_key_heads=case.Hk, eps=case.eps, mask=mask, backend=backend, init_value=NAN)
+                          num_key_heads=case.Hk, eps=case.eps, mask=mask, out_proj=out_proj,
+                          residual=x if with_out else None, backend=backend, init_value=NAN)
     first = run()
     mx.eval(first)
     second = run()
     mx.eval(second)
-    _check(case, x, norm, in_proj, params, conv_state, state, mask, first)
+    _check(case, x, norm, in_proj, params, conv_state, state, mask, first, out_proj)
     for f, s in zip(first, second):
         assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
     assert not np.array(kernels.sync_counters(in_proj[0])).any()
@@ -155,18 +210,34 @@ def test_chain_metal(case, K, bits, gs):
     _gpu("metal", case, K, bits, gs)
 
 
-def _decode_with_chain(backend_marker: str) -> None:
-    before = ops.declined.get("deltanet_chain", 0)
-    err = decode_rel_err("deltanet_chain", dtype=mx.float32)
-    assert ops.declined.get("deltanet_chain", 0) == before, "deltanet_chain declined the embedded model's layers"
-    assert err < 1e-4, f"{backend_marker}: decode logits with deltanet_chain: rel err {err:.2e}"
-
-
 @pytest.mark.cuda
-def test_decode_with_chain_cuda():
-    _decode_with_chain("cuda")
+@pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL, ids=repr)
+def test_chain_out_cuda(case, K, bits, gs):
+    _gpu("cuda", case, K, bits, gs, with_out=True)
 
 
 @pytest.mark.metal
-def test_decode_with_chain_metal():
-    _decode_with_chain("metal")
+@pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL, ids=repr)
+def test_chain_out_metal(case, K, bits, gs):
+    _gpu("metal", case, K, bits, gs, with_out=True)
+
+
+def _decode_with(switch: str, backend_marker: str) -> None:
+    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with the switch on vs off: the chain runs
+    in every DeltaNet layer (none declined) and the step logits agree."""
+    before = ops.declined.get(switch, 0)
+    err = decode_rel_err(switch, dtype=mx.float32)
+    assert ops.declined.get(switch, 0) == before, f"{switch} declined the embedded model's layers"
+    assert err < 1e-4, f"{backend_marker}: decode logits with {switch}: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
+def test_decode_with_chain_cuda(switch):
+    _decode_with(switch, "cuda")
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
+def test_decode_with_chain_metal(switch):
+    _decode_with(switch, "metal")

@@ -348,7 +348,7 @@ def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_wei
     [B, 1, qkv | z | b | a], or a function returning it; source = (x [B, 1, K], (input norm weight, eps),
     (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute proj in the
     same launch, and a function given for proj is then not called."""
-    if lengths is None and source is not None:
+    if lengths is None and source is not None and enabled("deltanet_step") and enabled("qmv"):
         out = _try("deltanet_chain", *source, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                    num_key_heads=num_key_heads, eps=eps, mask=mask)
         if out is not None:
@@ -361,6 +361,18 @@ def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_wei
             return out
     return deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                         num_key_heads=num_key_heads, eps=eps, mask=mask, lengths=lengths)
+
+
+def deltanet_decode_add(x, norm, in_proj, out_proj, residual, conv_weight, conv_state, A_log, dt_bias, norm_weight,
+                        state, *, num_key_heads: int, eps: float, mask=None):
+    """residual + out_proj(the DeltaNet step of x) for one token, the layer's whole mixer half in one launch
+    (deltanet_chain_out): (h [B, 1, H], conv state, state), or None where that does not apply (the caller runs
+    deltanet_decode_step and its output projection). norm = (weight, eps); in_proj, out_proj = (w, scales, biases,
+    bits, group_size) of the fused input projection and of the output projection."""
+    if not (enabled("deltanet_step") and enabled("qmv")):
+        return None
+    return _try("deltanet_chain_out", x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                num_key_heads=num_key_heads, eps=eps, mask=mask, out_proj=out_proj, residual=residual)
 
 
 def rope(x, dims: int, base: float, offset) -> mx.array:
