@@ -72,6 +72,12 @@ for mb in "" 1000000; do
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch moe_chain \
     --json "$res/decode_ab_moe_chain${mb:+_mb}.json"
 done
+# The DeltaNet chains, each on vs off with moe_chain on in both arms (107 primitives a step with both on).
+for sw in deltanet_chain_out deltanet_chain; do
+  step 60 110 "decode step, $sw on vs off (moe_chain on)" env LILY_MLX_ENABLE=moe_chain \
+    python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch "$sw" \
+    --json "$res/decode_ab_$sw.json"
+done
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
 # (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB
