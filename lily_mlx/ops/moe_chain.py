@@ -1,8 +1,8 @@
 """moe_chain: a decode step's whole MoE block in one launch (kernels/moe_chain.inc, CUDA and Metal): the router's
 logits, moe_gate_up's body and moe_down_combine's body as three phases of one grid, ordered through counters in
 device memory. A decode step is bound by MLX's CPU cost per launch (H200: ~12.8 us for each of its 247 primitives,
-BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (40 of 80 launches a step
-at the 35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
+BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (80 of the 247 at the
+35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
 
 Each layer owns its counters (`kernels.sync_counters`): int32 zeros that every launch leaves zero again. Switch
 "moe_chain", opt-in: its ordering has run on the CPU emulator only (threadgroups one after another), not yet on a GPU.
