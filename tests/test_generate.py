@@ -234,21 +234,27 @@ def test_bounded_prefill_caps_the_memory_limit_and_restores_it(monkeypatch):
                 pass
 
 
+def _spied_prefill(monkeypatch, spied: str):
+    """(the embedded 4-bit model, its layer count, a 10-token prompt, the argument counts of the calls of mx.<spied>
+    from here on, which still run, and the real mx.<spied>)."""
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
+    calls, real = [], getattr(mx, spied)
+    monkeypatch.setattr(mx, spied, lambda *a: calls.append(len(a)) or real(*a))
+    return model, len(model.language_model.model.layers), mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 40, 41]]), calls, real
+
+
 def test_bounded_prefill_layers_ahead(monkeypatch):
     """layers=N: the prefill waits for the half layer 2N - 1 back after dispatching each half (a mixer or a MoE
     block), so at most N layers are queued ahead,
     with the same logits as the unbounded prefill; a one-token step never waits; by default one layer ahead for
     chunks of memory.MIN_TOKENS or more; 0 is no bound; bad values name the variable."""
     from lily_mlx import memory
-    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
     monkeypatch.delenv(memory.HEADROOM_ENV, raising=False)
     monkeypatch.delenv(memory.LAYERS_ENV, raising=False)
-    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
-    n_layers = len(model.language_model.model.layers)
-    prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 40, 41]])
-    waits, real_eval = [], mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *a: waits.append(len(a)) or real_eval(*a))
+    model, n_layers, prompt, waits, real_eval = _spied_prefill(monkeypatch, "eval")
 
     def run(**bound):
         waits.clear()
@@ -286,14 +292,9 @@ def test_prefill_overlap_dispatches_each_layer(monkeypatch):
     compiled decoder traces several tokens) and under a bound, where no evaluation is allowed inside the trace,
     the prefill neither overlaps nor bounds, and runs."""
     from lily_mlx import memory, ops
-    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
     monkeypatch.delenv(memory.LAYERS_ENV, raising=False)
-    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)
-    n_layers = len(model.language_model.model.layers)
-    prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 40, 41]])
-    dispatched, real_async_eval = [], mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *a: dispatched.append(len(a)) or real_async_eval(*a))
+    model, n_layers, prompt, dispatched, _ = _spied_prefill(monkeypatch, "async_eval")
 
     def run(on: bool, tokens=prompt):
         dispatched.clear()

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels, register_kernel
+from . import kernels, metal_source, register_kernel
 
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
@@ -28,7 +28,7 @@ MIN_CHUNK = 16  # positions per split at least
 TARGET_BLOCKS = 512  # blocks of 8 warps: about four per multiprocessor
 TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
-SHARED_BYTES = 32768  # Metal's threadgroup memory
+SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
                "ROWS")
 

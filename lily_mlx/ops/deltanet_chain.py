@@ -15,11 +15,10 @@ from typing import Optional
 import mlx.core as mx
 
 from . import deltanet_step as ds
-from . import kernels, qmv, register_kernel
+from . import kernels, metal_source, qmv, register_kernel
 
 SPEC_PARAMS = ds.SPEC_PARAMS + ("QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS")
 OUT_PARAMS = SPEC_PARAMS + ("OBITS", "OGS", "OK", "OLANES", "ORPS")
-SHARED_BYTES = 32768  # Metal's threadgroup memory
 
 
 def _qmv_plan(M: int, K: int, N: int, bits: int, warps: int) -> dict:
@@ -74,18 +73,18 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
             return f"output projection: {why}"
         K = max(K, Hv * Dv)
     M = kernels.row_bucket(x.shape[0])
-    if shared_bytes(M, K, Dk, Dv, ds.plan(Dk, Dv)["WARPS"], bits) > SHARED_BYTES:
-        return f"over Metal's {SHARED_BYTES} bytes of threadgroup memory"
+    if shared_bytes(M, K, Dk, Dv, ds.plan(Dk, Dv)["WARPS"], bits) > metal_source.THREADGROUP_BYTES:
+        return f"over Metal's {metal_source.THREADGROUP_BYTES} bytes of threadgroup memory"
     return None
 
 
 def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group_size: int, step_dtypes, Hk: int,
              Hv: int, Dk: int, Dv: int, W: int, masked: bool, eps: float, eps_in: float,
-             out: Optional[tuple] = None) -> kernels.Instance:
+             out: Optional[tuple] = None, p: Optional[dict] = None) -> kernels.Instance:
     """step_dtypes: deltanet_step's (conv weight, A_log, dt_bias, gated norm weight) dtypes; out: (H, bits, group,
-    scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out)."""
+    scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out); p: plan()'s, when the caller has it."""
     PW = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
-    p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
+    p = p or plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
     step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"])
     template = step.template + (("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
                                 ("LANES", p["qmv"]["LANES"]), ("RPS", p["qmv"]["RPS"]),
@@ -122,10 +121,10 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
                                            norm_weight.shape[0], num_key_heads)
         M = kernels.row_bucket(x.shape[0])
         out = None if out_proj is None else (out_proj[0].shape[0], out_proj[3], out_proj[4], out_proj[1].dtype)
+        p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
                         (conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype), Hk, Hv, Dk, Dv,
-                        conv_weight.shape[1], mask is not None, eps, norm[1], out)
-        p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
+                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p)
         threads = 32 * p["WARPS"]
         blocks = p["proj_blocks"] + x.shape[0] * Hv + (0 if out is None else p["out"]["blocks"])
         launch = (list(inst.template), (blocks * threads, 1, 1), (threads, 1, 1), Hv, Dv, Dk, PW)

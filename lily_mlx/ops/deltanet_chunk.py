@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import kernels, metal_source, register_kernel
 
 MAX_HEAD_DIM = 256  # Dk: the update's S tiles, (Dk / 32) * (R / 16) of them, stay in the warps' registers
-SHARED_BYTES = 32768  # Metal's threadgroup memory
+SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("DK", "DV", "C", "R", "WARPS")
 TILE = 16  # C and R come in whole 16-row warp tiles
 

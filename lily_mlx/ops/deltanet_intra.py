@@ -17,7 +17,7 @@ import mlx.core as mx
 from . import kernels, metal_source, register_kernel
 
 MAX_HEAD_DIM = 256
-SHARED_BYTES = 32768  # Metal's threadgroup memory
+SHARED_BYTES = metal_source.THREADGROUP_BYTES
 WARPS = 8
 TILE = 16  # C comes in whole 16-row warp tiles
 SPEC_PARAMS = ("T", "DK", "DV", "HK", "HV", "C", "WARPS")

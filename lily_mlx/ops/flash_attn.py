@@ -18,7 +18,7 @@ from . import kernels, metal_source, register_kernel
 
 BQ, WARPS = 64, 4  # the body's query tile and warps (16 query rows each)
 MAX_HEAD_DIM = 256  # a warp's [16, D] output stays in registers
-SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static shared memory / Metal's threadgroup memory
+SHARED_BYTES = {"cuda": 48 * 1024, "metal": metal_source.THREADGROUP_BYTES}  # static shared memory / Metal's threadgroup memory
 SPEC_PARAMS = ("T", "D", "HQ", "HKV", "BK", "CAUSAL", "SCALE_BITS")
 ACTIVATIONS = (mx.bfloat16, mx.float16)
 

@@ -17,6 +17,8 @@ TemplateArg = Union[int, bool, mx.Dtype]
 
 # MLX passes an input in the constant address space when it has fewer elements than this.
 MAX_CONSTANT_ARRAY_SIZE = 8
+# Threadgroup memory one Metal threadgroup may use: every kernel's shared-memory check holds its plan to this.
+THREADGROUP_BYTES = 32768
 
 # (attribute, type) in MLX's order; one is added to the signature when its name occurs in the body.
 METAL_ATTRIBUTES = (

@@ -271,7 +271,7 @@ def gate_up(x, norm, logits, gate, up, shared_gate, shared_up, *, top_k: int, no
 
 ROUTED_PARAMS = GATE_UP_PARAMS + ("RBITS", "RGS")
 MAX_ROUTER_ROWS = 2048  # the token's logits sit in shared memory
-SHARED_FLOATS = 8192  # Metal's 32 KB of threadgroup memory
+SHARED_FLOATS = metal_source.THREADGROUP_BYTES // 4
 
 
 def routed_instance(inst: kernels.Instance, router_bits: int, router_group: int, router_scale_dtype) -> kernels.Instance:

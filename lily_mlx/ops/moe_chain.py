@@ -14,10 +14,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels, moe, register_kernel
+from . import kernels, metal_source, moe, register_kernel
 
 SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS")
-SHARED_BYTES = 32768  # Metal's threadgroup memory
 
 
 def router_rows_in_flight(H: int, router_bits: int) -> int:
@@ -65,8 +64,8 @@ def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_
     p = plan(x.size // H, top_k, H, I, IS, logits.shape[-1], bits, router[3])
     if p["down"]["inflight"] > moe.MAX_INFLIGHT:
         return f"more than {moe.MAX_INFLIGHT} weight chunks in flight per lane at {p['WARPS']} warps"
-    if shared_bytes(top_k, H, I, IS, bits, p["WARPS"]) > SHARED_BYTES:
-        return f"over Metal's {SHARED_BYTES} bytes of threadgroup memory"
+    if shared_bytes(top_k, H, I, IS, bits, p["WARPS"]) > metal_source.THREADGROUP_BYTES:
+        return f"over Metal's {metal_source.THREADGROUP_BYTES} bytes of threadgroup memory"
     return None
 
 

@@ -36,7 +36,7 @@ DIRECT_THREADS = 128
 DIRECT_BN = 128
 DIRECT_TILES = ((24, 16),)
 DIRECT_BMS = (16, 32)  # the row tiles its instances and tests cover
-METAL_SHARED_LIMIT = 32768
+METAL_SHARED_LIMIT = metal_source.THREADGROUP_BYTES
 
 
 def shared_bytes(stages: int, bits: int, group_size: int, scale_dtype) -> int:
