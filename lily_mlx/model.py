@@ -53,21 +53,23 @@ class Attention(nn.Module):
     def _run(self, x, norm, mask, cache, residual):
         B, L, _ = x.shape
         D, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
-        proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
         kv = _decode_kv(cache, mask) if L == 1 else None
         if kv is not None:  # one token over a cache the fused decode attention reads in place
             keys, values, offset, plane, row_start, row_pos = kv
-            args = (proj, self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset)
+            args = (self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset)
             kw = dict(n_heads=Hq, n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta,
                       scale=self.scale, plane=plane, row_start=row_start, row_pos=row_pos)
-            o = None if residual is None else output_weights(self.o_proj, residual, proj.dtype)
-            if o is not None:  # through o_proj and the residual add in one op
-                h, k_new, v_new = ops.attention_decode_add(*args, o[0], residual, group_size=o[1], bits=o[2], **kw)
+            o = None if residual is None else output_weights(self.o_proj, residual, x.dtype)
+            if o is not None:  # through o_proj and the residual add in one op; with attn_chain the projection too
+                source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_qkv.quantized())
+                h, k_new, v_new = ops.attention_decode_add(lambda: self.fused_qkv(x, norm), *args, o[0], residual,
+                                                           group_size=o[1], bits=o[2], source=source, **kw)
                 cache.update_and_fetch(k_new, v_new)
                 return h
-            out, k_new, v_new = ops.attention_decode(*args, **kw)
+            out, k_new, v_new = ops.attention_decode(self.fused_qkv(x, norm), *args, **kw)
             cache.update_and_fetch(k_new, v_new)
             return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
+        proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
         q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
         q, gate = mx.split(q.reshape(B, L, Hq, 2 * D), 2, axis=-1)
         gate = gate.reshape(B, L, -1)

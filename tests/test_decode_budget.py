@@ -56,17 +56,19 @@ def _primitives(outputs, path) -> collections.Counter:
     return collections.Counter(nodes.values())
 
 
-@pytest.mark.parametrize("stacked, fold, chain, dn_chain", [(False, False, False, 0), (True, False, False, 0),
-                                                            (True, True, False, 0), (True, True, True, 0),
-                                                            (True, True, True, 1), (True, True, True, 2)],
-                         ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain",
-                              "defaults+moe_chain+deltanet_chain", "defaults+moe_chain+deltanet_chain_out"])
-def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain):
+@pytest.mark.parametrize("stacked, fold, chain, dn_chain, attn", [
+    (False, False, False, 0, False), (True, False, False, 0, False), (True, True, False, 0, False),
+    (True, True, True, 0, False), (True, True, True, 1, False), (True, True, True, 2, False),
+    (True, True, True, 2, True)],
+    ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain",
+         "defaults+moe_chain+deltanet_chain", "defaults+moe_chain+deltanet_chain_out", "all-chains"])
+def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain, attn):
     """Kernel launches and other primitives of one compiled decode step of the 40-layer shape. With qmv_attn
     (attention's split merge inside o_proj) and dequant_rows (the embedding lookup in one launch), both on by
     default, the whole step, its embedding included, is within issue 4's budget of 250; moe_chain (opt-in) runs each
     MoE block, its router included, as one launch (80 fewer), deltanet_chain each DeltaNet layer's input projection
-    and step (30 fewer; dn_chain 1), deltanet_chain_out its output projection too (60 fewer; dn_chain 2)."""
+    and step (30 fewer; dn_chain 1), deltanet_chain_out its output projection too (60 fewer; dn_chain 2), attn_chain
+    each attention layer's input projection, attention and output projection (20 fewer)."""
     cached = 8
     model = _model()
     cache = model.make_cache()
@@ -89,7 +91,7 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
     with ops.switched("qmv_attn", fold), ops.switched("dequant_rows", fold), ops.switched("moe_chain", chain), \
             ops.switched("deltanet_chain", dn_chain == 1), \
-            ops.switched("deltanet_chain_out", dn_chain == 2):
+            ops.switched("deltanet_chain_out", dn_chain == 2), ops.switched("attn_chain", attn):
         step = dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
     counts = _primitives(step, tmp_path / "step.dot")
     # The lookup's own primitives (MLX's gathers and dequantize; the CPU's graph decomposes the dequantize): counted
@@ -118,9 +120,13 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
         expected["qmv"] -= dn_chain * n_dn
         del expected["deltanet_step"]
         expected["deltanet_chain" if dn_chain == 1 else "deltanet_chain_out"] = n_dn
+    if attn:  # an attention layer's input qmv, attn_decode and qmv_attn: one launch
+        expected["qmv"] -= n_attn
+        del expected["attn_decode"], expected["qmv_attn"]
+        expected["attn_chain"] = n_attn
     assert dict(launches) == expected
     per_layer = {"deltanet": PER_DELTANET - 2 * chain - dn_chain,  # dn_chain: launches it saves in a layer
-                 "attention": PER_ATTENTION - 2 * chain + (split and not fold)}
+                 "attention": PER_ATTENTION - 2 * chain - 2 * attn + (split and not fold)}
     assert sum(launches.values()) == n_dn * per_layer["deltanet"] + n_attn * per_layer["attention"] + 1 + fold
 
     other = counts - embed
@@ -134,8 +140,9 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     print(f"cached {cached}: {sum(launches.values())} kernel launches, {sum(other.values())} other primitives "
           f"{dict(other)}, embedding lookup {sum(embed.values())} on CPU's graph; {total} in all")
     step_total = sum(launches.values()) + sum(other.values())  # with dequant_rows, the embedding included
-    # 247 by default; 167 with moe_chain, 137 with deltanet_chain too, 107 with deltanet_chain_out instead
-    assert split and step_total == 272 - 16 * stacked - 9 * fold - 80 * chain - 30 * dn_chain
+    # 247 by default; 167 with moe_chain, 137 with deltanet_chain too, 107 with deltanet_chain_out instead, 87 with
+    # attn_chain as well
+    assert split and step_total == 272 - 16 * stacked - 9 * fold - 80 * chain - 30 * dn_chain - 20 * attn
     if fold:
         assert step_total <= 250
     if stacked and fold:

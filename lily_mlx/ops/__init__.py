@@ -423,13 +423,22 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
 
 def attention_decode_add(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, o_proj, residual, *,
                          n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float,
-                         group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None):
+                         group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None, source=None):
     """residual + o_proj(attention_decode(...)): a decode token's attention through its quantized output projection,
     o_proj = (w [N, Hq*D*bits/32], scales, biases [N, Hq*D/group]), and the residual add. Returns (h [B, 1, N], k_new,
-    v_new). With switch qmv_attn, a split cache's merge happens inside the projection (one launch fewer)."""
-    args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
+    v_new). With switch qmv_attn, a split cache's merge happens inside the projection (one launch fewer). proj: the
+    fused projection, or a function returning it; source = (x [B, 1, K], (input norm weight, eps), (w, scales,
+    biases, bits, group_size) of the quantized projection) lets attn_chain run the whole layer half in one launch,
+    and a function given for proj is then not called."""
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
               plane=plane, row_start=row_start, row_pos=row_pos)
+    if source is not None and enabled("attn_decode") and enabled("qmv"):
+        out = _try("attn_chain", *source, q_norm_weight, k_norm_weight, eps, keys, values, offset,
+                   (*o_proj, bits, group_size), residual, fold=enabled("qmv_attn"), **kw)
+        if out is not None:
+            return out
+    proj = proj() if callable(proj) else proj
+    args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
     out = _try("qmv_attn", *args, o_proj, residual, group_size=group_size, bits=bits, **kw)
     if out is not None:
         return out
@@ -539,6 +548,7 @@ from . import moe_router as _moe_router  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 from . import moe_chain as _moe_chain  # noqa: E402,F401
 from . import deltanet_chain as _deltanet_chain  # noqa: E402,F401
+from . import attn_chain as _attn_chain  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.
 DECODE_KERNEL_ROWS = max(_qmv.MAX_M, _moe.MAX_M)

@@ -21,22 +21,14 @@ SPEC_PARAMS = ds.SPEC_PARAMS + ("QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "
 OUT_PARAMS = SPEC_PARAMS + ("OBITS", "OGS", "OK", "OLANES", "ORPS")
 
 
-def _qmv_plan(M: int, K: int, N: int, bits: int, warps: int) -> dict:
-    """qmv's rows planned for the chain's blocks, every row block its own block (no persistent loop: the next phase
-    waits on all of them), its block-count floor scaled with the block size so that a lane keeps as many weight
-    chunks in flight as qmv's own plan gives it."""
-    p = qmv.plan(M, K, N, bits, min_blocks=qmv.MIN_BLOCKS * 8 // warps, warps=warps)
-    return dict(p, blocks=-(-N // (warps * (32 // p["LANES"]) * p["RPS"])))
-
-
 def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tuple] = None) -> dict:
     """deltanet_step's block (its WARPS) for every phase, the projections' rows planned for it. out: (K, N, bits) of
     the output projection (deltanet_chain_out)."""
     step = ds.plan(Dk, Dv)
-    p = {"step": step, "qmv": _qmv_plan(M, K, PW, bits, step["WARPS"]), "WARPS": step["WARPS"]}
+    p = {"step": step, "qmv": qmv.plan_chained(M, K, PW, bits, step["WARPS"]), "WARPS": step["WARPS"]}
     p["proj_blocks"] = p["qmv"]["blocks"]
     if out is not None:
-        p["out"] = _qmv_plan(M, *out, step["WARPS"])
+        p["out"] = qmv.plan_chained(M, *out, step["WARPS"])
     return p
 
 

@@ -254,14 +254,25 @@ def select_blocks(text: str, defines: Sequence[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-_INCLUDE = re.compile(r'^#include "(\w+\.inc)"$', re.M)
+_INCLUDE = re.compile(r'^#include "(\w+\.inc)"$')
+_SCOPED = re.compile(r"^#(define|undef) (LILY_\w+)$")
 
 
 def expand(filename: str, defines: Sequence[str]) -> str:
     """A body file with its blocks selected for `defines` and each `#include "other.inc"` line replaced by that
-    body, expanded the same way (a chained kernel runs other kernels' bodies as its phases, unchanged)."""
-    return _INCLUDE.sub(lambda m: expand(m.group(1), defines).rstrip("\n"),
-                        select_blocks(read_source(filename), defines))
+    body, expanded the same way (a chained kernel runs other kernels' bodies as its phases, unchanged). A body's
+    bare `#define LILY_X` line, up to its `#undef LILY_X`, adds X to the defines of the bodies it includes
+    (attn_chain.inc includes qmv.inc twice, the second time as qmv_attn); those two lines are not kept."""
+    out, scoped = [], []
+    for line in select_blocks(read_source(filename), defines).splitlines():
+        m = _SCOPED.match(line)
+        if m and (m.group(1) == "define" or m.group(2) in scoped):
+            scoped = [d for d in scoped if d != m.group(2)] + ([m.group(2)] if m.group(1) == "define" else [])
+        elif m := _INCLUDE.match(line):
+            out.append(expand(m.group(1), (*defines, *scoped)).rstrip("\n"))
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def body(spec: KernelSpec, backend: str) -> str:

@@ -59,6 +59,14 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps:
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
 
 
+def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int = MIN_BLOCKS) -> dict:
+    """plan() for a phase of a chained kernel (deltanet_chain, attn_chain), whose blocks all have `warps`: every row
+    block its own block (no persistent loop: a later phase waits on all of them), the block-count floor scaled with
+    the block size so that a lane keeps as many weight chunks in flight as qmv's own plan gives it."""
+    p = plan(M, K, N, bits, min_blocks=min_blocks * 8 // warps, warps=warps)
+    return dict(p, blocks=-(-N // (warps * (32 // p["LANES"]) * p["RPS"])))
+
+
 def unsupported(x, w, scales, biases, group_size: int, bits: int, norm=None, residual=None) -> Optional[str]:
     """Why the kernel does not apply to these arguments (None when it does). norm: (weight [K], eps)."""
     if bits not in BITS:

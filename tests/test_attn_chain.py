@@ -1,0 +1,241 @@
+"""attn_chain / attn_chain_long (a gated-attention layer's decode half in one launch: input norm + fused q|k|v
+projection, split attention, the splits' merge inside o_proj or through attn_combine, the residual add) against the
+references, phase by phase: the projection against the float32 oracle GEMV, the attention (fed the kernel's own
+projection) as tests/test_attn_decode.py checks attn_decode, h against the residual plus the oracle GEMV of the
+reference attention.
+
+CPU: the kernels' Metal sources on the shim's SIMT emulator, threadgroups in index order or last first, outputs
+poisoned with NaN, the counters read back zero; the dispatcher rules. `cuda` / `metal`: the same through MLX, two
+launches on one layer's counters, and the embedded models' decode steps with the switch on vs off.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lily_mlx import ops
+from lily_mlx.ops import attn_chain as ac
+from lily_mlx.ops import attn_decode as ad
+from lily_mlx.ops import kernels, reference
+from emulator import GXX, Emulator
+from switch_ab import decode_rel_err
+from test_attn_decode import BF16, F16, F32, TOL, Case, _check, _rel
+
+NAN = float("nan")
+
+# (Case, K, bits, group of the input projection, H, bits of the output one). Query groups 2, 3, 1 and 8; D 32..96;
+# B 1 to 3; an empty cache, a full one, empty splits, stacked planes, a left-padded batch; float32, bf16 and float16.
+CASES = [
+    (Case(1, 4, 2, 32, 8, 16, 5, nsplit=2), 96, 4, 32, 70, 4),
+    (Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3), 256, 8, 64, 37, 8),
+    (Case(3, 8, 1, 32, 32, 7, 0, nsplit=1), 64, 4, 32, 45, 4),
+    (Case(1, 3, 3, 96, 32, 70, 64, F16, nsplit=4), 128, 8, 32, 33, 4),
+    (Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5), 96, 4, 32, 64, 4),  # 4 positions over 5 splits: one split is empty
+    (Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, planes=3, plane=2), 256, 4, 64, 40, 4),
+    (Case(3, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, starts=[0, 20, 36]), 128, 4, 32, 37, 8),
+]
+MODEL = [(Case(B, 16, 2, 256, 64, cap, off, dt, theta=1e7), 2048, 4, 64, 2048, 4)
+         for B, cap, off, dt in ((1, 256, 200, BF16), (1, 4096, 3001, BF16), (2, 512, 300, F32))]
+
+
+def _inputs(case, K, bits, gs, H, obits, seed=0):
+    """x [B, 1, K], the input norm (weight, eps), the quantized projections (q|k|v [PW, K] scaled so that proj is
+    O(1); o_proj [H, Hq*D]), the cache arrays (keys, values, offset) of the attention case and the residual
+    [B, 1, H] (H is not K here, so a kernel mixing up the two fails)."""
+    T, PW = case.dtype, case.Hq * 2 * case.D + 2 * case.Hkv * case.D
+    k = mx.random.split(mx.random.key(seed), 5)
+    x = (mx.random.normal((case.B, 1, K), key=k[0]) * 2).astype(T)
+    norm = ((1 + 0.2 * mx.random.normal((K,), key=k[1])).astype(T), 1e-6)
+    w, s, b = mx.quantize(mx.random.normal((PW, K), key=k[2]) * (2.0 / K ** 0.5), group_size=gs, bits=bits)
+    ow, os_, ob = mx.quantize(mx.random.normal((H, case.Hq * case.D), key=k[3]) * 0.05, group_size=32, bits=obits)
+    _, qn, kn, keys, values, offset = case.arrays(seed)
+    res = mx.random.normal((case.B, 1, H), key=k[4]).astype(T)
+    return (x, norm, (w, s.astype(BF16), b.astype(BF16), bits, gs), qn, kn, keys, values, offset,
+            (ow, os_.astype(BF16), ob.astype(BF16), obits, 32), res)
+
+
+def _oracle(x, q):
+    w, s, b, bits, gs = q
+    with mx.stream(mx.cpu):
+        return reference.quantized_matmul_oracle(x, w, s.astype(F32), b.astype(F32), group_size=gs, bits=bits).astype(F32)
+
+
+def _check_chain(case, inputs, got, fold):
+    """Phase by phase: proj against the oracle; k_new, v_new and the attention (attn_combine's out in the long variant)
+    from the kernel's proj against the reference; h against x + the oracle GEMV of that reference attention."""
+    x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
+    k_new, v_new, part_acc, part_ml, proj = got[:5]
+    with mx.stream(mx.cpu):
+        xn = reference.rms_norm(x, norm[0], norm[1])
+    err = _rel(proj, _oracle(xn, qkv))
+    assert err < (1e-5 if case.dtype == F32 else 8e-3), f"{case}: projection rel err {err:.2e}"
+    ref = case.reference((proj, qn, kn, keys, values, offset))
+    attn = ref[0] if fold else got[5]
+    _check(case, (attn, k_new, v_new), ref)
+    h = got[-1]
+    assert h.shape == res.shape and h.dtype == case.dtype
+    err = _rel(h, res.astype(F32) + _oracle(ref[0], o_proj))
+    assert err < TOL[case.dtype], f"{case}: h rel err {err:.2e}"
+
+
+def _emulated_launch(case, inputs, fold):
+    x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
+    B, Hq, Hkv, D, K = case.B, case.Hq, case.Hkv, case.D, x.shape[-1]
+    H, obits = o_proj[0].shape[0], o_proj[3]
+    p = ac.plan(kernels.row_bucket(B), K, Hq, Hkv, D, qkv[3], H, obits, fold)
+    inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
+                       case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p)
+    zero = mx.array([0], dtype=mx.int32)
+    rows = [r for r in case.rows() if r is not None] or [zero, zero]
+    args = [x, *qkv[:3], norm[0], qn, kn, keys, values, offset, mx.array([case.plane], dtype=mx.int32), *rows,
+            *o_proj[:3], res, mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
+    ns, PW = case.nsplit, qkv[0].shape[0]
+    shapes = [(B, Hkv, 1, D), (B, Hkv, 1, D), (B, Hq, ns, D), (B, Hq, ns, 2), (B, 1, PW)] + \
+        ([] if fold else [(B, 1, Hq * D)]) + [res.shape]
+    threads = 32 * p["WARPS"]
+    grid = (ac.blocks(p, B, Hq, Hkv, ns, fold) * threads, 1, 1)
+    return ac.SPEC if fold else ac.LONG_SPEC, inst, args, grid, (threads, 1, 1), shapes
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_reference(tmp_path):
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero."""
+    emu, checks = Emulator(tmp_path), []
+    for n, (c, fold) in enumerate([(c, True) for c in CASES] + [(c, False) for c in CASES]):
+        case, K, bits, gs, H, obits = c
+        inputs = _inputs(case, K, bits, gs, H, obits, seed=n)
+        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold)
+        emu.add(spec, inst, args, grid, group, shapes, reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
+        checks.append((case, inputs, fold))
+    for (case, inputs, fold), (*got, sync) in zip(checks, emu.run()):
+        _check_chain(case, inputs, got, fold)
+        assert not np.array(sync).any(), f"{case}: counters left at {np.array(sync)}"
+
+
+def test_plan_at_the_35b_shape():
+    """8-warp blocks (attn_decode's: a warp per query head of a kv head): the 9,216 q|k|v rows in 288 blocks of 32,
+    o_proj's 2,048 rows in qmv_attn's 128 blocks (folded) or qmv's 256 (long); a 256-position cache's 17 splits fold,
+    a 4,096-position one's 256 go through attn_combine's 16 blocks."""
+    fold, long = (ac.plan(1, 2048, 16, 2, 256, 4, 2048, 4, f) for f in (True, False))
+    assert fold["WARPS"] == 8 and (fold["qkv"]["LANES"], fold["qkv"]["RPS"], fold["qkv"]["blocks"]) == (32, 4, 288)
+    assert fold["out"]["blocks"] == 128 and long["out"]["blocks"] == 256
+    assert ad.splits(1, 2, 256) == 17 <= ad.FOLD_MAX_SPLITS < ad.splits(1, 2, 4096) == 256
+    assert ac.blocks(fold, 1, 16, 2, 17, True) == 288 + 34 + 128
+    assert ac.blocks(long, 1, 16, 2, 256, False) == 288 + 512 + 16 + 256
+    for f in (True, False):  # under Metal's threadgroup memory at every decode batch
+        assert all(ac.shared_bytes(M, 2048, 16, 2, 256, 4, 4, f) <= 32768 for M in (1, 2, 4, 8))
+
+
+def test_unsupported_arguments_are_declined():
+    case, K, bits, gs, H, obits = CASES[0]
+    x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, K, bits, gs, H, obits)
+
+    def why(x=x, norm=norm, qkv=qkv, keys=keys, o_proj=o_proj, residual=res, **kw):
+        k = dict(case.kw(), **kw)
+        return ac.unsupported(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, residual, k["n_heads"],
+                              k["n_kv_heads"], k["rope_dims"], k["scale"], k["plane"])
+
+    assert why() is None
+    assert "input norm" in why(norm=None) and "input norm" in why(residual=None)
+    assert "bits=3" in why(qkv=(*qkv[:3], 3, gs))
+    assert "proj" in why(qkv=tuple(a[:-1] for a in qkv[:3]) + qkv[3:])  # a row short of [q | gate, k, v]
+    assert "heads" in why(n_heads=5)
+    assert "output projection" in why(o_proj=(*o_proj[:3], 3, 32))
+    assert "output projection" in why(residual=res[..., :-1])  # o_proj's rows are not the residual's width
+    assert "[B, 1, K]" in why(x=x.reshape(1, 1, 1, -1))
+    assert ac.decode_add(x, None, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, backend="cuda",
+                         **{k: v for k, v in case.kw().items() if k not in ("row_start", "row_pos")}) is None
+
+
+def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
+    """ops.attention_decode_add: attn_chain is opt-in, needs a source and attn_decode and qmv on, folds the merge into
+    o_proj for a short cache with qmv_attn on and takes attn_chain_long for a long one or with qmv_attn off; the
+    projection is then never built. Declined, the unchained path runs on the built projection."""
+    launched, built = [], []
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
+        launched.append(name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+
+    def run(cap, source=True):
+        case = Case(1, 16, 2, 256, 64, cap, cap - 1, BF16, theta=1e7)
+        x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, 2048, 4, 64, 96, 4)
+        proj = lambda: built.append(1) or mx.zeros((1, 1, qkv[0].shape[0]), BF16)
+        launched.clear()
+        built.clear()
+        h, k_new, v_new = ops.attention_decode_add(
+            proj, qn, kn, 1e-6, keys, values, offset, o_proj[:3], res, group_size=32, bits=4,
+            source=(x, norm, qkv) if source else None, **case.kw())
+        assert h.shape == (1, 1, 96) and k_new.shape == v_new.shape == (1, 2, 1, 256)
+        return list(launched), len(built)
+
+    assert run(256) == (["attn_decode", "qmv_attn"], 1)  # off by default
+    with ops.switched("attn_chain", True):
+        assert run(256) == (["attn_chain"], 0)
+        assert run(4096) == (["attn_chain_long"], 0)
+        assert run(256, source=False) == (["attn_decode", "qmv_attn"], 1)
+        with ops.disabled("qmv_attn"):
+            assert run(256) == (["attn_chain_long"], 0)
+        for off in ("attn_decode", "qmv"):
+            with ops.disabled(off):
+                assert "attn_chain" not in run(256)[0][0]
+
+
+def _gpu(backend, case, K, bits, gs, H, obits, fold):
+    """Two launches on one layer's counters: both right, the second equal to the first, the counters zero after."""
+    inputs = _inputs(case, K, bits, gs, H, obits)
+    x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
+    row_start, row_pos = case.rows()
+    kw = dict(case.kw(), row_start=row_start, row_pos=row_pos)
+    run = lambda: ac.decode_add(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, fold=fold,
+                                backend=backend, init_value=NAN, **kw)
+    first = run()
+    assert first is not None, f"attn_chain declined {case}"
+    mx.eval(first)
+    second = run()
+    mx.eval(second)
+    _check_chain(case, inputs, first, fold and ad.splits(case.B, case.Hkv, case.cap) <= ad.FOLD_MAX_SPLITS)
+    for f, s in zip(first, second):
+        assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
+    assert not np.array(kernels.sync_counters(qkv[0])).any()
+
+
+GPU_CASES = CASES + MODEL  # the cache split as planned (the emulated cases force theirs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "long"])
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", GPU_CASES, ids=repr)
+def test_chain_cuda(case, K, bits, gs, H, obits, fold):
+    _gpu("cuda", case, K, bits, gs, H, obits, fold)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "long"])
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", GPU_CASES, ids=repr)
+def test_chain_metal(case, K, bits, gs, H, obits, fold):
+    _gpu("metal", case, K, bits, gs, H, obits, fold)
+
+
+def _decode_with(backend_marker: str) -> None:
+    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with attn_chain on vs off: the chain runs
+    in every attention layer (none declined) and the step logits agree."""
+    before = ops.declined.get("attn_chain", 0)
+    err = decode_rel_err("attn_chain", dtype=mx.float32)
+    assert ops.declined.get("attn_chain", 0) == before, "attn_chain declined the embedded model's layers"
+    assert err < 1e-4, f"{backend_marker}: decode logits with attn_chain: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_cuda():
+    _decode_with("cuda")
+
+
+@pytest.mark.metal
+def test_decode_with_chain_metal():
+    _decode_with("metal")
