@@ -78,6 +78,16 @@ for sw in deltanet_chain_out deltanet_chain; do
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch "$sw" \
     --json "$res/decode_ab_$sw.json"
 done
+# attn_chain on vs off with the other chains on in both arms (87 primitives a step with all on); context 4096 takes
+# its attn_chain_long variant (the cache split in 256, merged by attn_combine's phase).
+step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on)" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out python3 -m bench.profile_decode --model "$model" --context 64 4096 \
+  --steps 16 --no-ops --ab-switch attn_chain --json "$res/decode_ab_attn_chain.json"
+# MLX rebuilds and hashes a CUDA kernel's source on every launch; the chains' sources are 20-23 KB. cuda_source_files
+# (a short #include stub) on vs off with every chain on.
+step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.profile_decode --model "$model" \
+  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
 # (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB
