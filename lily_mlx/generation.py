@@ -68,11 +68,20 @@ def generate_step(
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     input_embeddings: Optional[mx.array] = None,
+    mtp: bool = False,
 ) -> Generator[Tuple[int, mx.array], None, None]:
-    """Yields (token, logprobs [V]) pairs, exactly as mlx_lm.generate.generate_step does."""
+    """Yields (token, logprobs [V]) pairs, exactly as mlx_lm.generate.generate_step does. mtp: speculative decoding
+    with the checkpoint's multi-token-prediction head (lily_mlx.speculative); the same tokens, fewer forwards."""
     _check_max_tokens(max_tokens)
     if not isinstance(prefill_step_size, int) or prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be a positive integer, got {prefill_step_size!r}")
+    if mtp:
+        steps = _mtp_steps(prompt, model, stream, max_tokens=max_tokens, sampler=sampler,
+                           logits_processors=logits_processors, max_kv_size=max_kv_size, prompt_cache=prompt_cache,
+                           prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+                           prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings)
+        yield from ((token, logprobs) for token, logprobs, _ in steps)
+        return
     n_prompt = len(input_embeddings) if input_embeddings is not None else len(prompt)
     if input_embeddings is not None and len(prompt) > 0 and len(prompt) != len(input_embeddings):
         raise ValueError(
@@ -154,6 +163,17 @@ def generate_step(
                 decoder.write_back()
 
 
+def _mtp_steps(prompt, model, stream, *, max_tokens: int = 256, max_kv_size=None, kv_bits=None, input_embeddings=None,
+               kv_group_size: int = 64, quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START, **kwargs):
+    """mtp_generate_step with generate_step's arguments, refusing those it cannot roll back or draft from."""
+    from .speculative import mtp_generate_step
+
+    for name, value in (("max_kv_size", max_kv_size), ("kv_bits", kv_bits), ("input_embeddings", input_embeddings)):
+        if value is not None:
+            raise ValueError(f"mtp: {name} is not supported with MTP speculative decoding")
+    return mtp_generate_step(prompt, model, stream, max_tokens=max_tokens, **kwargs)
+
+
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     if isinstance(prompt, mx.array):
         return prompt
@@ -170,12 +190,15 @@ def stream_generate(
     max_tokens: int = 256,
     draft_model: Optional[nn.Module] = None,
     stream=generation_stream,
+    mtp: bool = False,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
-    """Yields GenerationResponse objects, with mlx_lm.stream_generate's fields and timing semantics."""
+    """Yields GenerationResponse objects, with mlx_lm.stream_generate's fields and timing semantics. mtp: speculative
+    decoding with the checkpoint's own MTP head; from_draft marks the drafted tokens the model confirmed."""
     if draft_model is not None:
         raise NotImplementedError(
-            "draft_model: speculative decoding is not supported by lily_mlx yet (use mlx_lm.stream_generate)"
+            "draft_model: speculative decoding with a separate draft model is not supported by lily_mlx (mtp=True "
+            "drafts with the checkpoint's own MTP head; or use mlx_lm.stream_generate)"
         )
     kwargs.pop("num_draft_tokens", None)
     if max_tokens == 0:
@@ -185,10 +208,14 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode(tokenizer, prompt)
     detokenizer = tokenizer.detokenizer
-    tokens = generate_step(prompt, model, stream, max_tokens=max_tokens, **kwargs)
+    if mtp:
+        tokens = _mtp_steps(prompt, model, stream, max_tokens=max_tokens, **kwargs)
+    else:
+        tokens = ((token, logprobs, False) for token, logprobs in
+                  generate_step(prompt, model, stream, max_tokens=max_tokens, **kwargs))
     with wired_limit(model, [stream]):
         tic = time.perf_counter()
-        for n, (token, logprobs) in enumerate(tokens):
+        for n, (token, logprobs, from_draft) in enumerate(tokens):
             if n == 0:
                 prompt_tps = prompt.size / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -198,14 +225,14 @@ def stream_generate(
             if (n + 1) == max_tokens:
                 break
             yield GenerationResponse(
-                text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+                text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
                 prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
                 generation_tps=(n + 1) / (time.perf_counter() - tic),
                 peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
             )
         detokenizer.finalize()
         yield GenerationResponse(
-            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
             prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
             generation_tps=(n + 1) / (time.perf_counter() - tic),
             peak_memory=mx.get_peak_memory() / 1e9,

@@ -405,13 +405,16 @@ class Model(nn.Module):
     def layers(self):
         return self.language_model.model.layers
 
-    def mtp_logits(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
-        """Logits for token t+2 from hidden [B, L, H] (the text model's final-norm output at t) and token t+1
-        [B, L]; cache: one KV cache per MTP layer."""
+    def mtp_hidden(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
+        """The MTP head's final-norm output [B, L, H] (what the lm_head scores for token t+2) from hidden [B, L, H]
+        (the text model's final-norm output at t) and token t+1 [B, L]; cache: one KV cache per MTP layer."""
         if "mtp" not in self:
             raise ValueError("this checkpoint has no MTP head (no mtp.* tensors)")
-        embeddings = embedded(self.language_model.model.embed_tokens, next_tokens)
-        return self.language_model.logits(self.mtp(embeddings, hidden, cache))
+        return self.mtp(embedded(self.language_model.model.embed_tokens, next_tokens), hidden, cache)
+
+    def mtp_logits(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
+        """Logits [B, L, V] for token t+2 (see mtp_hidden)."""
+        return self.language_model.logits(self.mtp_hidden(hidden, next_tokens, cache))
 
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:
         """DeltaNet layers: [conv state, recurrent state]; attention layers: a KV cache, a rotating

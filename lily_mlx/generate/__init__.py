@@ -46,6 +46,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
     p.add_argument("--kv-group-size", type=int, default=64, help="KV cache quantization group size")
     p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START, help="step to start KV quantization")
+    p.add_argument("--mtp", action="store_true", help="speculative decoding with the checkpoint's own MTP head")
     return p
 
 
@@ -67,6 +68,16 @@ def run(args: argparse.Namespace) -> str:
             args.model = metadata["model"]
     tokenizer_config = json.loads(metadata["tokenizer_config"]) if "tokenizer_config" in metadata else {}
     model, tokenizer = load(args.model, tokenizer_config=tokenizer_config, revision=args.revision)
+    if args.mtp:
+        from ..speculative import check_model
+
+        try:
+            check_model(model)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        for flag, value in (("--max-kv-size", args.max_kv_size), ("--kv-bits", args.kv_bits)):
+            if value is not None:
+                raise UsageError(f"--mtp: {flag} is not supported with MTP speculative decoding")
     for eos in args.extra_eos_token:
         tokenizer.add_eos_token(eos)
     template_kwargs = {}
@@ -108,6 +119,7 @@ def run(args: argparse.Namespace) -> str:
         model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose, sampler=sampler,
         max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size, prompt_cache=prompt_cache,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+        mtp=args.mtp,
     )
     if not args.verbose:
         print(response)

@@ -1,0 +1,180 @@
+"""Speculative decoding with the checkpoint's own multi-token-prediction (MTP) head, one draft token a forward.
+
+Each forward of the main model takes the tokens it has not absorbed yet ("pending": the last sampled token, and after
+a rejection every token since the last accepted draft) and the MTP head's draft for the next position. The main
+model's own sample at the draft's position decides: equal, the draft stands and the sample after it is kept too (two
+tokens for one forward); different, the sample replaces the draft. Every token is the main model's sample given the
+tokens before it (mlx-lm's rule for draft models), so greedy output is the plain decoder's and sampled output has its
+distribution.
+
+A rejected draft has already entered the DeltaNet states and the KV caches. The states from before the forward are
+kept (MLX arrays are immutable: keeping them costs nothing) and put back, the KV caches trimmed back, and the pending
+tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. The
+MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden state at t and
+token t+1; it only ever sees decided tokens, so it never rolls back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
+
+from .memory import bounded_prefill
+
+# Pending tokens (after rejections in a row) past which they are absorbed by a forward of their own, so a run of
+# rejections does not grow the verify forward without bound.
+MAX_PENDING = 4
+
+
+def check_model(model) -> None:
+    """A clear error when `model` cannot draft with an MTP head."""
+    from .model import Model
+
+    if not isinstance(model, Model):
+        raise ValueError(f"mtp: speculative decoding with an MTP head needs a lily_mlx model, got {type(model).__name__}")
+    if "mtp" not in model:
+        raise ValueError("mtp: this checkpoint has no MTP head (no mtp.* tensors): load one that has them")
+
+
+def _check_cache(cache: List[Any]) -> None:
+    for i, c in enumerate(cache):
+        if type(c) not in (KVCache, ArraysCache):
+            raise ValueError(f"mtp: layer {i}'s cache is a {type(c).__name__}; speculative decoding rolls back only "
+                             "mlx-lm's KVCache and ArraysCache (no max_kv_size window, no kv_bits)")
+
+
+class _Snapshot:
+    """The main model's caches before a verify forward: DeltaNet [conv state, state] by reference, KV lengths."""
+
+    def __init__(self, cache: List[Any]):
+        self.cache = cache
+        self.saved = [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
+
+    def restore(self) -> None:
+        for c, saved in zip(self.cache, self.saved):
+            if isinstance(c, ArraysCache):
+                c.cache = list(saved)
+            else:
+                c.trim(c.offset - saved)
+
+
+def mtp_generate_step(
+    prompt: mx.array,
+    model,
+    stream=generation_stream,
+    *,
+    max_tokens: int = 256,
+    sampler: Optional[Sampler] = None,
+    logits_processors: Optional[List[LogitsProcessor]] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    max_pending: int = MAX_PENDING,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Yields (token, logprobs [V], from_draft) as mlx_lm's speculative_generate_step does: from_draft marks a draft
+    the main model confirmed. The prompt [N] of token ids goes through the main model in `prefill_step_size` chunks
+    and through the MTP head's cache beside it. A given prompt_cache ends holding the prompt and every yielded token,
+    as after generate_step."""
+    check_model(model)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ValueError(f"mtp: a non-empty 1-D prompt of token ids expected, got shape {prompt.shape}")
+    cache = prompt_cache if prompt_cache is not None else model.make_cache()
+    _check_cache(cache)
+    mtp_cache = [KVCache() for _ in model.mtp.layers]
+    sampler = sampler or greedy_sampler
+    progress = prompt_progress_callback or (lambda *_: None)
+    lm = model.language_model
+    ids = prompt.tolist()  # the prompt and every decided token
+    n_prompt = len(ids)
+
+    def forward(tokens: mx.array):
+        """The main model over tokens [T] after the cache -> (final-norm hidden [1, T, H], logits [T, V])."""
+        hidden = lm.model(tokens[None], cache=cache)
+        return hidden, lm.logits(hidden)[0]
+
+    def sample(logits: mx.array, history: Optional[mx.array]):
+        """logits [V] at the last token of history (every token so far, for the processors)."""
+        logits = logits[None]
+        for processor in logits_processors or ():
+            logits = processor(history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs).astype(mx.int32), logprobs.squeeze(0)
+
+    def history(*extra: mx.array) -> Optional[mx.array]:
+        return mx.concatenate([mx.array(ids, dtype=mx.int32), *extra]) if logits_processors else None
+
+    def draft(hidden: mx.array, next_tokens: mx.array) -> mx.array:
+        """The MTP head at positions t (hidden [1, L, H]) with tokens t+1 (next_tokens [L]): its cache grows by L,
+        and its argmax for the token after the last, [1] int32, lazy."""
+        h = model.mtp_hidden(hidden, next_tokens[None], mtp_cache)[:, -1]
+        return mx.argmax(lm.logits(h), axis=-1).astype(mx.int32)
+
+    inflight: Optional[_Snapshot] = None  # the caches before the verify forward in flight
+    with mx.stream(stream):
+        done = 0
+        progress(done, n_prompt)
+        with bounded_prefill():
+            while n_prompt - done > 1:
+                n = min(prefill_step_size, n_prompt - done - 1)
+                hidden = lm.model(prompt[None, done:done + n], cache=cache)
+                model.mtp_hidden(hidden, prompt[None, done + 1:done + n + 1], mtp_cache)  # only its K/V are kept
+                mx.eval([c.state for c in cache] + [c.state for c in mtp_cache])
+                done += n
+                progress(done, n_prompt)
+                mx.clear_cache()
+
+        hidden, logits = forward(prompt[-1:])
+        token, logprobs = sample(logits[-1], history())
+        d = draft(hidden, token)
+        mx.eval(token)
+        progress(n_prompt, n_prompt)
+        ids.append(token.item())
+        ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
+        pending = ids[-1:]
+        yielded = since_clear = 0
+        try:
+            while True:
+                # The next forward is queued before the host hands out the tokens decided by the last one.
+                inflight, T = _Snapshot(cache), len(pending)
+                hidden, logits = forward(mx.concatenate([mx.array(pending, dtype=mx.int32), d]))
+                s1, lp1 = sample(logits[T - 1], history())
+                s2, lp2 = sample(logits[T], history(d))
+                mx.async_eval(d, s1, s2, lp1, lp2)
+                for item in ready:
+                    if yielded == max_tokens:
+                        return
+                    yield item
+                    yielded += 1
+                if yielded == max_tokens:
+                    return
+                d_id, s1_id = d.item(), s1.item()
+                if s1_id == d_id:
+                    s2_id = s2.item()
+                    ids += [d_id, s2_id]
+                    ready = [(d_id, lp1, True), (s2_id, lp2, False)]
+                    d, pending = draft(hidden[:, T - 1:], mx.concatenate([d, s2])), [s2_id]
+                else:
+                    inflight.restore()
+                    ids.append(s1_id)
+                    ready = [(s1_id, lp1, False)]
+                    d, pending = draft(hidden[:, T - 1:T], s1), pending + [s1_id]
+                    if len(pending) > max_pending:
+                        lm.model(mx.array(pending[:-1], dtype=mx.int32)[None], cache=cache)
+                        pending = pending[-1:]
+                inflight = None
+                since_clear += len(ready)
+                if since_clear >= 256:
+                    mx.clear_cache()
+                    since_clear = 0
+        finally:
+            if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
+                if inflight is not None:
+                    inflight.restore()
+                missing = ids[len(ids) - len(pending):n_prompt + yielded]  # the cache holds all but the pending
+                if missing:
+                    lm.model(mx.array(missing, dtype=mx.int32)[None], cache=cache)
+                mx.eval([c.state for c in cache])

@@ -1,0 +1,107 @@
+"""MTP speculative decoding (lily_mlx.speculative) on the embedded model, whose MTP head is trained: greedy tokens,
+the caller's cache afterwards and the logits processors' view are the plain decoder's; drafts are accepted and
+rejected (and a run of rejections absorbed); what cannot be rolled back or drafted from is refused by name."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+import lily_mlx
+from lily_mlx import speculative
+from lily_mlx.embedded import EMBEDDED_MODEL
+from lily_mlx.generation import generate_step, stream_generate
+
+PROMPT = "def read_config(path):\n    \"\"\"Return the settings"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model in float32 (ties between logits are then the model's, not bf16 rounding's) and its
+    tokenizer."""
+    model, _ = lily_mlx.load_model(EMBEDDED_MODEL, dtype=mx.float32)
+    _, tok = lily_mlx.load("embedded")
+    return model, tok
+
+
+def _caches_equal(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if hasattr(x, "offset"):
+            assert x.offset == y.offset, f"layer {i}: KV cache lengths {x.offset} vs {y.offset}"
+            for s, t in ((x.keys, y.keys), (x.values, y.values)):  # past offset: whatever was trimmed
+                assert mx.allclose(s[..., :x.offset, :], t[..., :x.offset, :], atol=1e-5).item(), f"layer {i}: K/V differ"
+        else:
+            for s, t in zip(x.cache, y.cache):
+                assert mx.allclose(s, t, atol=1e-5).item(), f"layer {i}: DeltaNet state differs"
+
+
+@pytest.mark.parametrize("penalty", [None, 1.3], ids=["greedy", "repetition-penalty"])
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 40])
+def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty):
+    """The same tokens as generate_step, and the caller's cache ends as generate_step leaves it (the prompt and every
+    yielded token, no draft), whether generation stops after an accepted or a rejected draft."""
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    procs = None if penalty is None else make_logits_processors(repetition_penalty=penalty, repetition_context_size=16)
+    plain_cache, spec_cache = model.make_cache(), model.make_cache()
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens, logits_processors=procs,
+                                         prompt_cache=plain_cache)]
+    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, logits_processors=procs,
+                                              prompt_cache=spec_cache))
+    assert [t for t, _, _ in spec] == plain
+    assert all(lp.shape == (model.config.vocab_size,) for _, lp, _ in spec)
+    _caches_equal(plain_cache, spec_cache)
+    if max_tokens == 40:  # the trained head's drafts (0.4 of held-out positions) hold for a share of the tokens
+        assert sum(d for _, _, d in spec) >= (10 if penalty is None else 5)
+
+
+def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
+    """An MTP head that drafts token 0 every time: every draft is rejected, the pending tokens grow to MAX_PENDING and
+    are absorbed; the tokens and the cache are still the plain decoder's."""
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    plain_cache, spec_cache = model.make_cache(), model.make_cache()
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=13, prompt_cache=plain_cache)]
+    real = model.mtp_hidden
+    monkeypatch.setattr(model, "mtp_hidden", lambda h, t, c=None: mx.zeros_like(real(h, t, c)))  # logits all 0
+    forwards, text_model = [], type(model.language_model.model)
+    call = text_model.__call__
+    monkeypatch.setattr(text_model, "__call__", lambda self, x, **kw: forwards.append(x.shape[1]) or call(self, x, **kw))
+    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
+    assert [t for t, _, _ in spec] == plain and not any(d for _, _, d in spec)
+    assert max(forwards[1:]) == speculative.MAX_PENDING + 1  # pending tokens and the draft, then absorbed
+    _caches_equal(plain_cache, spec_cache)
+
+
+def test_stream_generate_and_cli_with_mtp(embedded):
+    """stream_generate(mtp=True): the plain text, from_draft on the confirmed drafts; `lily-mlx generate --mtp`."""
+    from lily_mlx.generate import main
+
+    _, tok = embedded
+    model, _ = lily_mlx.load("embedded")
+    plain = "".join(r.text for r in stream_generate(model, tok, PROMPT, max_tokens=30))
+    responses = list(stream_generate(model, tok, PROMPT, max_tokens=30, mtp=True))
+    assert "".join(r.text for r in responses) == plain
+    assert any(r.from_draft for r in responses) and responses[-1].finish_reason == "length"
+    assert main(["--mtp", "--prompt", PROMPT, "-m", "6", "--ignore-chat-template", "--verbose", "false"]) == 0
+
+
+def test_what_mtp_cannot_do_is_refused(embedded, tiny_checkpoints, capsys):
+    from lily_mlx.generate import main
+
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    no_head, _ = lily_mlx.load(str(tiny_checkpoints[0]["mlx"]))
+    for kw, message in [(dict(max_kv_size=64), "max_kv_size"), (dict(kv_bits=4), "kv_bits"),
+                        (dict(input_embeddings=mx.zeros((prompt.size, 64))), "input_embeddings")]:
+        with pytest.raises(ValueError, match=message):
+            list(generate_step(prompt, model, mtp=True, **kw))
+    with pytest.raises(ValueError, match="no MTP head"):
+        list(generate_step(prompt, no_head, mtp=True))
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        list(generate_step(prompt, model, mtp=True, prompt_cache=model.make_cache(max_kv_size=64)))
+    with pytest.raises(ValueError, match="1-D prompt"):
+        list(generate_step(prompt[None], model, mtp=True))
+    assert main(["--model", str(tiny_checkpoints[0]["mlx"]), "--mtp", "-p", "hi", "-m", "3"]) == 2
+    assert "no MTP head" in capsys.readouterr().err
