@@ -31,6 +31,8 @@ ops.register_switch("batched_attn_decode", "a left-padded batch's decode attenti
 
 
 class _StaticKV:
+    decode_tokens = True  # writes each token through: several tokens may go through the decode attention in turn
+
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, offset1: mx.array):
         self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
         self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
@@ -41,9 +43,12 @@ class _StaticKV:
         return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
-        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
-        return self.keys, self.values
+        keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
+        values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
+        self.keys, self.values = keys, values
+        # The next token's view (model.Attention._decode_tokens); a one-token step's trace drops these.
+        self.offset, self.offset1 = self.offset + k.shape[2], self.offset1 + k.shape[2]
+        return keys, values
 
     def make_mask(self, N: int, **_) -> mx.array:
         pos = self.offset + mx.arange(N)[:, None]  # [N, 1]: each query's absolute position
@@ -54,6 +59,8 @@ class _StackedKV(_StaticKV):
     """Attention layer `plane`'s view of the stacked cache [P*B, Hkv, capacity, D]: the fused attention reads
     its plane in place and hands its new row to `rows`, which the step writes for every layer at once (2
     primitives per step instead of 2 per layer). The mask is _StaticKV's."""
+
+    decode_tokens = False  # a later token would not see an earlier one's row, written only at the step's end
 
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
         super().__init__(keys, values, offset, offset1)
@@ -121,6 +128,8 @@ class CompiledDecoder:
     state into the original cache objects (which then continue as usual).
     """
 
+    KIND, STACKABLE = "single", True  # the traced step, and whether stacked_kv may apply
+
     def __init__(self, model, cache: List[Any], reserve: int = STEP):
         self.model, self.cache = model, cache
         model.fuse_projections()  # outside the trace: a concatenation traced in would rerun every step
@@ -133,11 +142,12 @@ class CompiledDecoder:
             c = cache[i]
             k, v = c.keys[..., : self.offset, :], c.values[..., : self.offset, :]
             self.kv.append((_pad_to(k, capacity), _pad_to(v, capacity)))
-        self.stacked = ops.enabled("stacked_kv") and len(self.kv) > 1
+        self.stacked = self.STACKABLE and ops.enabled("stacked_kv") and len(self.kv) > 1
         if self.stacked:  # [P*B, Hkv, capacity, D]: plane p holds attention layer p's B rows
             self.kv = [(mx.concatenate([k for k, _ in self.kv]), mx.concatenate([v for _, v in self.kv]))]
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "stacked" if self.stacked else "single")
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index,
+                                "stacked" if self.stacked else self.KIND)
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -152,17 +162,21 @@ class CompiledDecoder:
 
     def _step(self, tokens, offset, *flat):
         """The uncompiled step (what is traced): logits [B, V], then every updated cache array."""
-        step = _stacked_step if self.stacked else _decode_step
+        step = _step_function("stacked" if self.stacked else self.KIND)
         return step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
 
-    def __call__(self, tokens: mx.array) -> mx.array:
+    def _advance(self, tokens: mx.array, n_out: int) -> list:
+        """The compiled step over tokens [B, T]: its first n_out outputs; the cache arrays kept."""
         if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
             capacity = _round_up(self.offset + tokens.shape[1] + STEP)
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
         out = self._fn(tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, self.states))
-        self.kv, self.states = _unflatten(out[1:], len(self.kv), len(self.states))
+        self.kv, self.states = _unflatten(out[n_out:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
-        return out[0]
+        return out[:n_out]
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self._advance(tokens, 1)[0]
 
     def write_back(self) -> None:
         kv = self.kv
@@ -175,6 +189,26 @@ class CompiledDecoder:
             c.keys, c.values, c.offset = k, v, self.offset
         for (conv, state), i in zip(self.states, self.state_index):
             self.cache[i][0], self.cache[i][1] = conv, state
+
+
+class CompiledVerifier(CompiledDecoder):
+    """Speculative decoding's forward (lily_mlx.speculative), compiled per token count: `verifier(tokens [B, T])
+    -> (hidden [B, min(T, 2), H], logits [B, min(T, 2), V])`, the last positions' final-norm hidden states (the MTP
+    head's input) and logits. Several tokens go through the decode kernels one by one (model.DECODE_TOKENS_MAX),
+    so each writes its K/V row through (no stacked_kv). `snapshot()` / `restore()` roll a rejected draft back: the
+    DeltaNet states and the length; rows past the length are never read."""
+
+    KIND, STACKABLE = "verify", False
+
+    def __call__(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        hidden, logits = self._advance(tokens, 2)
+        return hidden, logits
+
+    def snapshot(self) -> tuple:
+        return list(self.states), self.offset
+
+    def restore(self, snapshot: tuple) -> None:
+        self.states, self.offset = list(snapshot[0]), snapshot[1]
 
 
 class CompiledBatchDecoder:
@@ -241,16 +275,24 @@ def _unflatten(flat, n_kv: int, n_states: int) -> tuple[list, list]:
     return pairs[:n_kv], pairs[n_kv:]
 
 
-def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states) -> tuple[mx.array, list]:
-    """The model over shims of its cache (kv_shims for the attention layers, in kv_index order): the last
-    position's logits [B, V] and the updated DeltaNet (conv, state) pairs."""
+def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states,
+               head: Callable = lambda model, tokens, cache: model(tokens, cache=cache)[:, -1, :]) -> tuple[Any, list]:
+    """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order; by default the
+    last position's logits [B, V]) and the updated DeltaNet (conv, state) pairs."""
     shims: List[Any] = [None] * n_cache
     for i, s in zip(kv_index, kv_shims):
         shims[i] = s
     for i, (conv, state) in zip(state_index, states):
         shims[i] = _StaticState(conv, state)
-    logits = model(tokens, cache=shims)[:, -1, :]
-    return logits, [tuple(shims[i].cache) for i in state_index]
+    out = head(model, tokens, shims)
+    return out, [tuple(shims[i].cache) for i in state_index]
+
+
+def _last_two(model, tokens, cache) -> tuple[mx.array, mx.array]:
+    """The last two positions' final-norm hidden states [B, min(T, 2), H] and their logits."""
+    lm = model.language_model
+    hidden = lm.model(tokens, cache=cache)[:, -2:]
+    return hidden, lm.logits(hidden)
 
 
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
@@ -269,6 +311,15 @@ def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int
     shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
     logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
     return (logits, *_flatten([(s.keys, s.values) for s in shims], states))
+
+
+def _verify_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
+    """_decode_step returning the last two positions' final-norm hidden states and their logits."""
+    offset = offset1.reshape(())
+    kv, states = _unflatten(flat, len(kv_index), len(state_index))
+    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
+    (hidden, logits), states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_two)
+    return (hidden, logits, *_flatten([(s.keys, s.values) for s in shims], states))
 
 
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
@@ -306,9 +357,13 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
         for old in [k for k in steps if k[1:] != key[1:]]:  # the old trace's weights or switches are gone: free it
             del steps[old]
         # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
-        step = {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}[kind]
+        step = _step_function(kind)
         steps[key] = mx.compile(lambda *args: step(ref(), n_cache, kv_index, state_index, *args))
     return steps[key]
+
+
+def _step_function(kind: str) -> Callable:
+    return {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step, "verify": _verify_step}[kind]
 
 
 def _round_up(n: int) -> int:

@@ -23,6 +23,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
+from .decode import STEP, CompiledVerifier
 from .memory import bounded_prefill
 
 # Pending tokens (after rejections in a row) past which they are absorbed by a forward of their own, so a run of
@@ -47,19 +48,30 @@ def _check_cache(cache: List[Any]) -> None:
                              "mlx-lm's KVCache and ArraysCache (no max_kv_size window, no kv_bits)")
 
 
-class _Snapshot:
-    """The main model's caches before a verify forward: DeltaNet [conv state, state] by reference, KV lengths."""
+class _Eager:
+    """The main model over mlx-lm's caches, eagerly (CompiledVerifier's interface): rolled back by keeping the
+    DeltaNet [conv state, state] arrays and trimming the KV caches."""
 
-    def __init__(self, cache: List[Any]):
-        self.cache = cache
-        self.saved = [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
+    def __init__(self, model, cache: List[Any]):
+        self.lm, self.cache = model.language_model, cache
 
-    def restore(self) -> None:
-        for c, saved in zip(self.cache, self.saved):
+    def __call__(self, tokens: mx.array) -> Tuple[mx.array, mx.array]:
+        """tokens [1, T] -> the last two positions' final-norm hidden states [1, min(T, 2), H] and logits."""
+        hidden = self.lm.model(tokens, cache=self.cache)[:, -2:]
+        return hidden, self.lm.logits(hidden)
+
+    def snapshot(self) -> list:
+        return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in self.cache]
+
+    def restore(self, snapshot: list) -> None:
+        for c, saved in zip(self.cache, snapshot):
             if isinstance(c, ArraysCache):
                 c.cache = list(saved)
             else:
                 c.trim(c.offset - saved)
+
+    def write_back(self) -> None:
+        pass
 
 
 def mtp_generate_step(
@@ -91,11 +103,6 @@ def mtp_generate_step(
     ids = prompt.tolist()  # the prompt and every decided token
     n_prompt = len(ids)
 
-    def forward(tokens: mx.array):
-        """The main model over tokens [T] after the cache -> (final-norm hidden [1, T, H], logits [T, V])."""
-        hidden = lm.model(tokens[None], cache=cache)
-        return hidden, lm.logits(hidden)[0]
-
     def sample(logits: mx.array, history: Optional[mx.array]):
         """logits [V] at the last token of history (every token so far, for the processors)."""
         logits = logits[None]
@@ -113,7 +120,6 @@ def mtp_generate_step(
         h = model.mtp_hidden(hidden, next_tokens[None], mtp_cache)[:, -1]
         return mx.argmax(lm.logits(h), axis=-1).astype(mx.int32)
 
-    inflight: Optional[_Snapshot] = None  # the caches before the verify forward in flight
     with mx.stream(stream):
         done = 0
         progress(done, n_prompt)
@@ -127,22 +133,26 @@ def mtp_generate_step(
                 progress(done, n_prompt)
                 mx.clear_cache()
 
-        hidden, logits = forward(prompt[-1:])
-        token, logprobs = sample(logits[-1], history())
+        main = _Eager(model, cache)
+        hidden, logits = main(prompt[None, -1:])
+        token, logprobs = sample(logits[0, -1], history())
         d = draft(hidden, token)
         mx.eval(token)
         progress(n_prompt, n_prompt)
+        if CompiledVerifier.applicable(model, cache):  # one compiled step per token count from here on
+            main = CompiledVerifier(model, cache, reserve=max_tokens + max_pending + 2 if max_tokens > 0 else STEP)
         ids.append(token.item())
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
         pending = ids[-1:]
+        inflight = None  # the state before the verify forward in flight
         yielded = since_clear = 0
         try:
             while True:
                 # The next forward is queued before the host hands out the tokens decided by the last one.
-                inflight, T = _Snapshot(cache), len(pending)
-                hidden, logits = forward(mx.concatenate([mx.array(pending, dtype=mx.int32), d]))
-                s1, lp1 = sample(logits[T - 1], history())
-                s2, lp2 = sample(logits[T], history(d))
+                inflight = main.snapshot()
+                hidden, logits = main(mx.concatenate([mx.array(pending, dtype=mx.int32), d])[None])
+                s1, lp1 = sample(logits[0, -2], history())
+                s2, lp2 = sample(logits[0, -1], history(d))
                 mx.async_eval(d, s1, s2, lp1, lp2)
                 for item in ready:
                     if yielded == max_tokens:
@@ -156,14 +166,14 @@ def mtp_generate_step(
                     s2_id = s2.item()
                     ids += [d_id, s2_id]
                     ready = [(d_id, lp1, True), (s2_id, lp2, False)]
-                    d, pending = draft(hidden[:, T - 1:], mx.concatenate([d, s2])), [s2_id]
+                    d, pending = draft(hidden, mx.concatenate([d, s2])), [s2_id]
                 else:
-                    inflight.restore()
+                    main.restore(inflight)
                     ids.append(s1_id)
                     ready = [(s1_id, lp1, False)]
-                    d, pending = draft(hidden[:, T - 1:T], s1), pending + [s1_id]
+                    d, pending = draft(hidden[:, :1], s1), pending + [s1_id]
                     if len(pending) > max_pending:
-                        lm.model(mx.array(pending[:-1], dtype=mx.int32)[None], cache=cache)
+                        main(mx.array(pending[:-1], dtype=mx.int32)[None])
                         pending = pending[-1:]
                 inflight = None
                 since_clear += len(ready)
@@ -173,8 +183,9 @@ def mtp_generate_step(
         finally:
             if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
                 if inflight is not None:
-                    inflight.restore()
+                    main.restore(inflight)
                 missing = ids[len(ids) - len(pending):n_prompt + yielded]  # the cache holds all but the pending
                 if missing:
-                    lm.model(mx.array(missing, dtype=mx.int32)[None], cache=cache)
+                    main(mx.array(missing, dtype=mx.int32)[None])
+                main.write_back()
                 mx.eval([c.state for c in cache])

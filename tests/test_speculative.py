@@ -10,6 +10,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import lily_mlx
 from lily_mlx import speculative
+from lily_mlx.decode import CompiledVerifier
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.generation import generate_step, stream_generate
 
@@ -56,6 +57,21 @@ def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty):
         assert sum(d for _, _, d in spec) >= (10 if penalty is None else 5)
 
 
+def test_eager_forwards_without_compiled_decode(embedded):
+    """With compiled_decode off the verify forwards run eagerly over mlx-lm's caches (rolled back by keeping the
+    DeltaNet arrays and trimming the KV caches): the same tokens and cache as the plain decoder's."""
+    from lily_mlx import ops
+
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    plain_cache, spec_cache = model.make_cache(), model.make_cache()
+    with ops.disabled("compiled_decode"):
+        plain = [t for t, _ in generate_step(prompt, model, max_tokens=25, prompt_cache=plain_cache)]
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=25, prompt_cache=spec_cache))
+    assert [t for t, _, _ in spec] == plain and any(d for _, _, d in spec)
+    _caches_equal(plain_cache, spec_cache)
+
+
 def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
     """An MTP head that drafts token 0 every time: every draft is rejected, the pending tokens grow to MAX_PENDING and
     are absorbed; the tokens and the cache are still the plain decoder's."""
@@ -65,12 +81,11 @@ def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=13, prompt_cache=plain_cache)]
     real = model.mtp_hidden
     monkeypatch.setattr(model, "mtp_hidden", lambda h, t, c=None: mx.zeros_like(real(h, t, c)))  # logits all 0
-    forwards, text_model = [], type(model.language_model.model)
-    call = text_model.__call__
-    monkeypatch.setattr(text_model, "__call__", lambda self, x, **kw: forwards.append(x.shape[1]) or call(self, x, **kw))
+    forwards, call = [], CompiledVerifier.__call__
+    monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
     spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain and not any(d for _, _, d in spec)
-    assert max(forwards[1:]) == speculative.MAX_PENDING + 1  # pending tokens and the draft, then absorbed
+    assert max(forwards) == speculative.MAX_PENDING + 1  # pending tokens and the draft, then absorbed
     _caches_equal(plain_cache, spec_cache)
 
 
@@ -105,3 +120,58 @@ def test_what_mtp_cannot_do_is_refused(embedded, tiny_checkpoints, capsys):
         list(generate_step(prompt[None], model, mtp=True))
     assert main(["--model", str(tiny_checkpoints[0]["mlx"]), "--mtp", "-p", "hi", "-m", "3"]) == 2
     assert "no MTP head" in capsys.readouterr().err
+
+
+def test_several_tokens_take_the_decode_path(embedded, monkeypatch):
+    """2 to 8 tokens after a cache go through the decode step one at a time (model.DECODE_TOKENS_MAX): the logits
+    and the caches are the prefill path's."""
+    from lily_mlx import model as model_mod
+
+    model, tok = embedded
+    prompt = mx.array([tok.encode(PROMPT)])
+    runs = []
+    for most in (model_mod.DECODE_TOKENS_MAX, 1):  # 1: every several-token forward takes the prefill path
+        monkeypatch.setattr(model_mod, "DECODE_TOKENS_MAX", most)
+        cache = model.make_cache()
+        model(prompt, cache=cache)
+        logits = [model(mx.array([list(range(7, 7 + n))]), cache=cache) for n in (2, 5, 8)]
+        runs.append((logits, cache))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+    _caches_equal(runs[0][1], runs[1][1])
+
+
+def test_verify_step_launches(monkeypatch, tmp_path):
+    """The compiled verify step at the 35B-A3B layer stack (tests/test_decode_budget.py's stand-ins): T tokens cost
+    T launches of each mixer kernel a layer (deltanet_step; attn_decode and attn_combine), the projections and the
+    MoE kernels once for all of them."""
+    import collections
+
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
+    from test_decode_budget import _model, _primitives
+
+    model = _model()
+    cache = model.make_cache()
+    model(mx.array([list(range(1, 9))]), cache=cache)
+    launches = collections.Counter()
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
+        launches[name] += 1
+        outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
+        return mx.depends(outs, list(inputs))
+
+    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    for T in (2, 3):
+        verifier = CompiledVerifier(model, cache, reserve=4)
+        flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
+        mx.eval(flat)
+        launches.clear()
+        with ops.switched("prefill_overlap", False):  # the compiled trace never dispatches; this eager call must not
+            out = verifier._step(mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32), *flat)
+        assert dict(launches) == {"dequant_rows": 1, "qmv": 120, "deltanet_step": 30 * T, "attn_decode": 10 * T,
+                                  "attn_combine": 10 * T, "moe_gate_up": 40, "moe_down_combine": 40}
+        counts = _primitives(out, tmp_path / f"verify{T}.dot")
+        print(f"verify step, {T} tokens: {sum(launches.values())} launches, "
+              f"{sum(counts.values()) - counts['Depends'] - counts['Broadcast']} other primitives")
