@@ -31,7 +31,7 @@ ops.register_switch("batched_attn_decode", "a left-padded batch's decode attenti
 
 
 class _StaticKV:
-    decode_tokens = True  # writes each token through: several tokens may go through the decode attention in turn
+    decode_tokens = True  # several new tokens may take the decode attention (model._decodes_tokens)
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, offset1: mx.array):
         self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
@@ -43,12 +43,9 @@ class _StaticKV:
         return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
-        values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
-        self.keys, self.values = keys, values
-        # The next token's view (model.Attention._decode_tokens); a one-token step's trace drops these.
-        self.offset, self.offset1 = self.offset + k.shape[2], self.offset1 + k.shape[2]
-        return keys, values
+        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
+        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
+        return self.keys, self.values
 
     def make_mask(self, N: int, **_) -> mx.array:
         pos = self.offset + mx.arange(N)[:, None]  # [N, 1]: each query's absolute position
@@ -59,8 +56,6 @@ class _StackedKV(_StaticKV):
     """Attention layer `plane`'s view of the stacked cache [P*B, Hkv, capacity, D]: the fused attention reads
     its plane in place and hands its new row to `rows`, which the step writes for every layer at once (2
     primitives per step instead of 2 per layer). The mask is _StaticKV's."""
-
-    decode_tokens = False  # a later token would not see an earlier one's row, written only at the step's end
 
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
         super().__init__(keys, values, offset, offset1)
@@ -128,7 +123,13 @@ class CompiledDecoder:
     state into the original cache objects (which then continue as usual).
     """
 
-    KIND, STACKABLE = "single", True  # the traced step, and whether stacked_kv may apply
+    KIND = "single"  # the traced step's output: the last logits ("verify": CompiledVerifier's)
+
+    def _kind(self) -> str:
+        """The traced step: _step_function's name for this decoder's output over its K/V layout."""
+        if self.stacked:
+            return "stacked" if self.KIND == "single" else "stacked_" + self.KIND
+        return self.KIND
 
     def __init__(self, model, cache: List[Any], reserve: int = STEP):
         self.model, self.cache = model, cache
@@ -142,12 +143,11 @@ class CompiledDecoder:
             c = cache[i]
             k, v = c.keys[..., : self.offset, :], c.values[..., : self.offset, :]
             self.kv.append((_pad_to(k, capacity), _pad_to(v, capacity)))
-        self.stacked = self.STACKABLE and ops.enabled("stacked_kv") and len(self.kv) > 1
+        self.stacked = ops.enabled("stacked_kv") and len(self.kv) > 1
         if self.stacked:  # [P*B, Hkv, capacity, D]: plane p holds attention layer p's B rows
             self.kv = [(mx.concatenate([k for k, _ in self.kv]), mx.concatenate([v for _, v in self.kv]))]
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index,
-                                "stacked" if self.stacked else self.KIND)
+        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, self._kind())
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -162,7 +162,7 @@ class CompiledDecoder:
 
     def _step(self, tokens, offset, *flat):
         """The uncompiled step (what is traced): logits [B, V], then every updated cache array."""
-        step = _step_function("stacked" if self.stacked else self.KIND)
+        step = _step_function(self._kind())
         return step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
 
     def _advance(self, tokens: mx.array, n_out: int) -> list:
@@ -194,11 +194,11 @@ class CompiledDecoder:
 class CompiledVerifier(CompiledDecoder):
     """Speculative decoding's forward (lily_mlx.speculative), compiled per token count: `verifier(tokens [B, T])
     -> (hidden [B, min(T, 2), H], logits [B, min(T, 2), V])`, the last positions' final-norm hidden states (the MTP
-    head's input) and logits. Several tokens go through the decode kernels one by one (model.DECODE_TOKENS_MAX),
-    so each writes its K/V row through (no stacked_kv). `snapshot()` / `restore()` roll a rejected draft back: the
-    DeltaNet states and the length; rows past the length are never read."""
+    head's input) and logits; the tokens take the decode kernels (model.DECODE_TOKENS_MAX). `snapshot()` /
+    `restore()` roll a rejected draft back: the DeltaNet states and the length; K/V rows past the length are never
+    read."""
 
-    KIND, STACKABLE = "verify", False
+    KIND = "verify"
 
     def __call__(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         hidden, logits = self._advance(tokens, 2)
@@ -275,10 +275,22 @@ def _unflatten(flat, n_kv: int, n_states: int) -> tuple[list, list]:
     return pairs[:n_kv], pairs[n_kv:]
 
 
-def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states,
-               head: Callable = lambda model, tokens, cache: model(tokens, cache=cache)[:, -1, :]) -> tuple[Any, list]:
-    """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order; by default the
-    last position's logits [B, V]) and the updated DeltaNet (conv, state) pairs."""
+def _last_logits(model, tokens, cache) -> tuple[mx.array]:
+    """A decode step's output: the last position's logits [B, V]."""
+    return (model(tokens, cache=cache)[:, -1, :],)
+
+
+def _last_two(model, tokens, cache) -> tuple[mx.array, mx.array]:
+    """A speculative verify's output: the last two positions' final-norm hidden states [B, min(T, 2), H] (the MTP
+    head's input) and their logits."""
+    lm = model.language_model
+    hidden = lm.model(tokens, cache=cache)[:, -2:]
+    return hidden, lm.logits(hidden)
+
+
+def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states, head) -> tuple[tuple, list]:
+    """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order) and the updated
+    DeltaNet (conv, state) pairs."""
     shims: List[Any] = [None] * n_cache
     for i, s in zip(kv_index, kv_shims):
         shims[i] = s
@@ -288,52 +300,38 @@ def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, sta
     return out, [tuple(shims[i].cache) for i in state_index]
 
 
-def _last_two(model, tokens, cache) -> tuple[mx.array, mx.array]:
-    """The last two positions' final-norm hidden states [B, min(T, 2), H] and their logits."""
-    lm = model.language_model
-    hidden = lm.model(tokens, cache=cache)[:, -2:]
-    return hidden, lm.logits(hidden)
-
-
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
                 offset, *flat):
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     shims = [_StaticBatchKV(k, v, idx1, left_padding, offset) for k, v in kv]
-    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
+    (logits,), states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_logits)
     return (logits, offset + tokens.shape[1], *_flatten([(s.keys, s.values) for s in shims], states))
 
 
-def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
+def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
+                 head: Callable = _last_logits):
     """offset1 [1] int32, what the fused attention reads; the scalar is for the several-token path only (a
-    decode step's trace drops it)."""
+    decode step's trace drops it). -> (*head's outputs, every updated cache array)."""
     offset = offset1.reshape(())
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
-    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
-    return (logits, *_flatten([(s.keys, s.values) for s in shims], states))
+    out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
+    return (*out, *_flatten([(s.keys, s.values) for s in shims], states))
 
 
-def _verify_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
-    """_decode_step returning the last two positions' final-norm hidden states and their logits."""
-    offset = offset1.reshape(())
-    kv, states = _unflatten(flat, len(kv_index), len(state_index))
-    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
-    (hidden, logits), states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_two)
-    return (hidden, logits, *_flatten([(s.keys, s.values) for s in shims], states))
-
-
-def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat):
+def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
+                  head: Callable = _last_logits):
     """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
     offset = offset1.reshape(())
     ((keys, values),), states = _unflatten(flat, 1, len(state_index))
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
-    logits, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states)
+    out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
     k_new = mx.concatenate([k for k, _ in rows]).astype(keys.dtype)  # [P*B, Hkv, T, D], layer order
     v_new = mx.concatenate([v for _, v in rows]).astype(values.dtype)
     keys = mx.slice_update(keys, k_new, offset1, axes=(2,))
     values = mx.slice_update(values, v_new, offset1, axes=(2,))
-    return (logits, *_flatten([(keys, values)], states))
+    return (*out, *_flatten([(keys, values)], states))
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
@@ -363,7 +361,12 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
 
 
 def _step_function(kind: str) -> Callable:
-    return {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step, "verify": _verify_step}[kind]
+    """The traced step of a kind: a decode step over per-layer or stacked K/V ("single", "stacked"), a batch's,
+    or either of the first two returning a speculative verify's outputs ("verify", "stacked_verify")."""
+    if kind.endswith("verify"):
+        step = _stacked_step if kind == "stacked_verify" else _decode_step
+        return lambda *args: step(*args, head=_last_two)
+    return {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}[kind]
 
 
 def _round_up(n: int) -> int:

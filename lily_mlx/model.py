@@ -26,9 +26,10 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
                     "built, so the GPU runs while Python builds the next")
 
 
-# New tokens after a cache that already holds some go through the mixers one at a time, on the decode kernels, up to
-# this many: a speculative verify forward (lily_mlx.speculative, 2-5 tokens) is then ~320 primitives at the 35B
-# shape, where the prefill path's per-token DeltaNet recurrence and generic attention make it ~3,300.
+# New tokens after a cache that already holds some take the decode kernels (each DeltaNet or attention layer one
+# launch for all of them), up to this many: a speculative verify forward (lily_mlx.speculative, 2-5 tokens) is then
+# about a decode step's primitives at the 35B shape, where the prefill path's per-token DeltaNet recurrence and
+# generic attention make it ~3,300.
 DECODE_TOKENS_MAX = 8
 
 
@@ -59,10 +60,11 @@ class Attention(nn.Module):
     def _run(self, x, norm, mask, cache, residual):
         B, L, _ = x.shape
         D, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
-        if 1 < L <= DECODE_TOKENS_MAX and _decodes_tokens(cache, mask):
-            return self._decode_tokens(x, norm, cache, residual)
-        kv = _decode_kv(cache, mask) if L == 1 else None
-        if kv is not None:  # one token over a cache the fused decode attention reads in place
+        if L == 1:
+            kv = _decode_kv(cache, mask)
+        else:  # a few tokens after a cache (a speculative verify): the decode attention, token t seeing 0..t
+            kv = _decode_kv(cache, None) if L <= DECODE_TOKENS_MAX and _decodes_tokens(cache, mask) else None
+        if kv is not None:  # decode tokens over a cache the fused decode attention reads in place
             keys, values, offset, plane, row_start, row_pos = kv
             args = (self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset)
             kw = dict(n_heads=Hq, n_kv_heads=Hkv, rope_dims=self.rope_dims, rope_theta=self.rope_theta,
@@ -96,26 +98,10 @@ class Attention(nn.Module):
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)
         return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
 
-    def _decode_tokens(self, x, norm, cache, residual):
-        """A few new tokens [B, L] over a cache that holds earlier ones, each through the decode attention after
-        the one before is written (DECODE_TOKENS_MAX); the projections once for all of them."""
-        proj = self.fused_qkv(x, norm)  # [B, L, Hq*2D + 2*Hkv*D]
-        outs = []
-        for t in range(x.shape[1]):
-            keys, values, offset, _, _, _ = _decode_kv(cache, None)
-            out, k_new, v_new = ops.attention_decode(
-                proj[:, t:t + 1], self.q_norm["weight"], self.k_norm["weight"], self.q_norm.eps, keys, values, offset,
-                n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, rope_dims=self.rope_dims, rope_theta=self.rope_theta,
-                scale=self.scale)
-            cache.update_and_fetch(k_new, v_new)
-            outs.append(out)
-        out = mx.concatenate(outs, axis=1)  # [B, L, Hq*D]
-        return self.o_proj(out) if residual is None else added(self.o_proj, out, residual)
-
 
 def _decodes_tokens(cache, mask) -> bool:
-    """Whether several new tokens may go through the decode attention one by one: mlx-lm's plain KVCache holding
-    tokens under the causal mask, or a compiled decoder's cache that writes each token through (decode_tokens)."""
+    """Whether several new tokens may take the decode attention: mlx-lm's plain KVCache holding tokens under the
+    causal mask, or a compiled decoder's single-sequence cache (decode_tokens)."""
     if type(cache) is KVCache:
         return cache.keys is not None and (mask is None or isinstance(mask, str))
     return getattr(cache, "decode_tokens", False)
@@ -183,13 +169,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 out, conv_state, state = ops.deltanet_decode_step(proj, *args, source=source, **kw)
         elif T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None:
-            p, outs = proj(), []  # a few tokens after a cache: one at a time through the decode step
-            for t in range(T):
-                o, conv_state, state = ops.deltanet_decode_step(
-                    p[:, t:t + 1], self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state,
-                    num_key_heads=self.Hk, eps=self.norm.eps)
-                outs.append(o)
-            out = mx.concatenate(outs, axis=1)  # [B, T, Hv*Dv]
+            out, conv_state, state = ops.deltanet_decode_step(proj, *args, **kw)  # a few tokens after a cache
         else:
             out, conv_state, state = ops.deltanet_mix(proj(), *args, **kw)  # out [B, T, Hv*Dv]
         if cache is not None:

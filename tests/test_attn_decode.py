@@ -31,21 +31,23 @@ class Case:
     batch's first column per row (`starts`: row b holds columns [starts[b], offset), rotating at offset - start)."""
 
     def __init__(self, B, Hq, Hkv, D, rope, cap, offset, dtype=F32, nsplit=None, theta=1e4, planes=1, plane=0,
-                 starts=None):
+                 starts=None, tokens=1):
         self.B, self.Hq, self.Hkv, self.D, self.rope, self.cap, self.offset = B, Hq, Hkv, D, rope, cap, offset
         self.dtype, self.theta, self.planes, self.plane, self.starts = dtype, theta, planes, plane, starts
-        self.nsplit = nsplit or ad.splits(B, Hkv, cap)
+        self.tokens = tokens  # new tokens a row (a speculative verify's several)
+        self.nsplit = nsplit or ad.splits(B * tokens, Hkv, cap)
 
     def __repr__(self):
         return (f"B{self.B}-Hq{self.Hq}-Hkv{self.Hkv}-D{self.D}-rope{self.rope}-cap{self.cap}-off{self.offset}-"
                 f"{str(self.dtype).split('.')[-1]}-split{self.nsplit}"
                 + (f"-plane{self.plane}of{self.planes}" if self.planes > 1 else "")
-                + (f"-starts{'_'.join(map(str, self.starts))}" if self.starts else ""))
+                + (f"-starts{'_'.join(map(str, self.starts))}" if self.starts else "")
+                + (f"-T{self.tokens}" if self.tokens > 1 else ""))
 
     def arrays(self, seed=0):
         k = mx.random.split(mx.random.key(seed), 5)
         B, Hq, Hkv, D = self.B, self.Hq, self.Hkv, self.D
-        proj = (mx.random.normal((B, 1, Hq * 2 * D + 2 * Hkv * D), key=k[0]) * 2).astype(self.dtype)
+        proj = (mx.random.normal((B, self.tokens, Hq * 2 * D + 2 * Hkv * D), key=k[0]) * 2).astype(self.dtype)
         qn = (1 + 0.3 * mx.random.normal((D,), key=k[1])).astype(self.dtype)
         kn = (1 + 0.3 * mx.random.normal((D,), key=k[2])).astype(self.dtype)
         keys = mx.random.normal((self.planes * B, Hkv, self.cap, D), key=k[3]).astype(self.dtype)
@@ -91,8 +93,8 @@ def _rel(x, ref):
 
 def _check(case, got, ref):
     out, k_new, v_new = got
-    assert out.shape == (case.B, 1, case.Hq * case.D) and out.dtype == case.dtype
-    assert k_new.shape == (case.B, case.Hkv, 1, case.D) == v_new.shape
+    assert out.shape == (case.B, case.tokens, case.Hq * case.D) and out.dtype == case.dtype
+    assert k_new.shape == (case.B, case.Hkv, case.tokens, case.D) == v_new.shape
     assert mx.array_equal(v_new, ref[2]).item(), f"{case}: v_new differs"
     errs = _rel(out, ref[0]), _rel(k_new, ref[1])
     assert errs[0] < TOL[case.dtype] and errs[1] < TOL[case.dtype] / 4, f"{case}: out, k_new rel errors {errs}"
@@ -112,6 +114,12 @@ EMULATED = [
     Case(1, 4, 2, 32, 8, 16, 5, F32, planes=4, plane=1),
     Case(3, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, starts=[0, 20, 36]),  # left padding: whole splits skipped
     Case(2, 4, 2, 32, 8, 16, 9, F32, starts=[4, 0]),  # one block per kv head
+    # A speculative verify's tokens: each sees the cache and the new tokens up to itself.
+    Case(1, 4, 2, 32, 8, 16, 5, tokens=3),
+    Case(2, 6, 2, 64, 16, 40, 30, BF16, nsplit=3, tokens=2),
+    Case(1, 3, 3, 96, 32, 70, 0, F16, nsplit=4, tokens=5),  # an empty cache: only the new tokens
+    Case(3, 6, 2, 64, 16, 40, 33, BF16, nsplit=3, starts=[0, 20, 32], tokens=4),
+    Case(2, 6, 2, 64, 16, 40, 30, F32, nsplit=2, planes=3, plane=1, tokens=2),
 ]
 
 
@@ -123,14 +131,14 @@ def test_metal_emulated_matches_reference(tmp_path):
         args = case.arrays(c)
         split = case.nsplit > 1
         inst = ad.instance(case.dtype, case.dtype, case.dtype, case.B, case.Hq, case.Hkv, case.D, case.rope, case.theta,
-                           1e-6, case.D**-0.5, split, rows=bool(case.starts))
+                           1e-6, case.D**-0.5, split, rows=bool(case.starts), tokens=case.tokens)
         threads = 32 * (case.Hq // case.Hkv)
-        B, Hq, ns, D = case.B, case.Hq, case.nsplit, case.D
-        shapes = [(B, 1, Hq * D) if not split else (1,), (B, case.Hkv, 1, D), (B, case.Hkv, 1, D),
-                  (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
+        B, L, Hq, ns, D = case.B, case.tokens, case.Hq, case.nsplit, case.D
+        shapes = [(B, L, Hq * D) if not split else (1,), (B, case.Hkv, L, D), (B, case.Hkv, L, D),
+                  (B * L, Hq, ns, D) if split else (1,), (B * L, Hq, ns, 2) if split else (1,)]
         plane, zero = mx.array([case.plane], dtype=mx.int32), mx.array([0], dtype=mx.int32)
         rows = [r for r in case.rows() if r is not None] or [zero, zero]
-        emu.add(ad.SPEC, inst, [*args, plane, *rows], (B * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
+        emu.add(ad.SPEC, inst, [*args, plane, *rows], (B * L * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
     first = emu.run()
     second = Emulator(tmp_path / "b")  # each split case's partials, merged by attn_combine and by qmv_attn
     (tmp_path / "b").mkdir()
@@ -139,12 +147,13 @@ def test_metal_emulated_matches_reference(tmp_path):
             proj = case.arrays(c)[0]
             inst = ad.combine_instance(case.dtype, case.B, case.Hq, case.Hkv, case.D, case.nsplit)
             threads = 32 * ad.COMBINE_WARPS
-            n = second.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (case.B * case.Hq * threads, 1, 1),
-                           (threads, 1, 1), [(case.B, 1, case.Hq * case.D)])
+            rows_ = case.B * case.tokens
+            n = second.add(ad.COMBINE_SPEC, inst, [first[c][3], first[c][4], proj], (rows_ * case.Hq * threads, 1, 1),
+                           (threads, 1, 1), [(case.B, case.tokens, case.Hq * case.D)])
             o_proj, res = _o_proj(case, c)
             inst, grid, group = _qmv_attn_launch(case, o_proj)
             m = second.add(qmv.ATTN_SPEC, inst, [first[c][3], first[c][4], proj, *o_proj[:3], res], grid, group,
-                           [(case.B, 1, o_proj[0].shape[0])])
+                           [res.shape])
             splits.append((c, n, m))
     outs = second.run() if splits else []
     merged = {c: (outs[n][0], outs[m][0]) for c, n, m in splits}
@@ -162,13 +171,13 @@ def _o_proj(case, seed):
     k = mx.random.split(mx.random.key(100 + seed), 2)
     N, K = 37 + 2 * seed, case.Hq * case.D
     w, scales, biases = mx.quantize(mx.random.normal((N, K), key=k[0]) * 0.05, group_size=32, bits=8 if seed % 2 == 0 else 4)
-    res = mx.random.normal((case.B, 1, N), key=k[1]).astype(case.dtype)
+    res = mx.random.normal((case.B, case.tokens, N), key=k[1]).astype(case.dtype)
     return (w, scales, biases, 8 if seed % 2 == 0 else 4), res
 
 
 def _qmv_attn_launch(case, o_proj):
     w, scales, biases, bits = o_proj
-    M, K, N = kernels.row_bucket(case.B), case.Hq * case.D, w.shape[0]
+    M, K, N = kernels.row_bucket(case.B * case.tokens), case.Hq * case.D, w.shape[0]
     inst = qmv.attn_instance(case.dtype, scales.dtype, M, case.Hq, case.Hkv, case.D, N, bits, 32, case.nsplit)
     p = qmv.plan(M, K, N, bits, qmv.ATTN_MIN_BLOCKS)
     return inst, (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1)
@@ -185,23 +194,25 @@ def _check_projected(case, got, attn_ref, o_proj, res):
     assert err < TOL[case.dtype], f"{case}: qmv_attn relative error {err:.2e}"
 
 
-def test_reference_matches_the_unfused_attention():
-    """The reference op equals the model's plain path: norms, RoPE, KVCache update, mx.fast SDPA, gate."""
-    case = Case(2, 6, 2, 64, 16, 300, 37)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_reference_matches_the_unfused_attention(tokens):
+    """The reference op equals the model's plain path: norms, RoPE, KVCache update, mx.fast SDPA (causal over the new
+    tokens), gate."""
+    case = Case(2, 6, 2, 64, 16, 300, 37, tokens=tokens)
     proj, qn, kn, keys, values, offset = case.arrays(3)
-    D, Hq, Hkv, B = case.D, case.Hq, case.Hkv, case.B
+    D, Hq, Hkv, B, L = case.D, case.Hq, case.Hkv, case.B, tokens
     out, k_new, v_new = reference.attention_decode(proj, qn, kn, 1e-6, keys, values, offset, **case.kw())
     cache = KVCache()
     cache.update_and_fetch(keys[:, :, :37], values[:, :, :37])
     q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
-    q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
+    q, gate = mx.split(q.reshape(B, L, Hq, 2 * D), 2, axis=-1)
     q = mx.fast.rope(mx.fast.rms_norm(q, qn, 1e-6).transpose(0, 2, 1, 3), 16, traditional=False, base=1e4, scale=1.0,
                      offset=37)
-    k = mx.fast.rope(mx.fast.rms_norm(k.reshape(B, 1, Hkv, D), kn, 1e-6).transpose(0, 2, 1, 3), 16, traditional=False,
+    k = mx.fast.rope(mx.fast.rms_norm(k.reshape(B, L, Hkv, D), kn, 1e-6).transpose(0, 2, 1, 3), 16, traditional=False,
                      base=1e4, scale=1.0, offset=37)
-    kk, vv = cache.update_and_fetch(k, v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3))
-    plain = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5).transpose(0, 2, 1, 3).reshape(B, 1, -1)
-    plain = plain * mx.sigmoid(gate.reshape(B, 1, -1))
+    kk, vv = cache.update_and_fetch(k, v.reshape(B, L, Hkv, D).transpose(0, 2, 1, 3))
+    plain = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=D**-0.5, mask="causal" if L > 1 else None)
+    plain = plain.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate.reshape(B, L, -1))
     assert _rel(out, plain) < 1e-5 and mx.array_equal(k_new, k).item()
 
 

@@ -31,16 +31,18 @@ TOL_SAME_DTYPE = 3e-2  # against the bf16 reference, which rounds after the conv
 
 
 class Case:
-    """One kernel configuration: shapes, dtypes (activations, conv weight, A_log, dt_bias, norm weight)."""
+    """One kernel configuration: shapes, dtypes (activations, conv weight, A_log, dt_bias, norm weight), tokens a
+    launch (a speculative verify's several; masks per step: [B] rows, or [B][tokens])."""
 
-    def __init__(self, B, Hk, Hv, Dk, Dv, W=4, dtypes=(F32,) * 5, masks=None, eps=1e-6, launch=None):
+    def __init__(self, B, Hk, Hv, Dk, Dv, W=4, dtypes=(F32,) * 5, masks=None, eps=1e-6, launch=None, tokens=1):
         self.B, self.Hk, self.Hv, self.Dk, self.Dv, self.W = B, Hk, Hv, Dk, Dv, W
-        self.dtypes, self.masks, self.eps, self.launch = dtypes, masks, eps, launch
+        self.dtypes, self.masks, self.eps, self.launch, self.tokens = dtypes, masks, eps, launch, tokens
         self.C = 2 * Hk * Dk + Hv * Dv
 
     def __repr__(self):
         names = "-".join(str(d).split(".")[-1] for d in self.dtypes[:2])
-        return f"B{self.B}-Hk{self.Hk}-Hv{self.Hv}-Dk{self.Dk}-Dv{self.Dv}-W{self.W}-{names}{'-masked' if self.masks else ''}"
+        return (f"B{self.B}-Hk{self.Hk}-Hv{self.Hv}-Dk{self.Dk}-Dv{self.Dv}-W{self.W}-{names}"
+                f"{'-masked' if self.masks else ''}{f'-T{self.tokens}' if self.tokens > 1 else ''}")
 
     def params(self, seed):
         T, TW, TA, TD, TN = self.dtypes
@@ -58,14 +60,14 @@ class Case:
         return conv_state, state
 
     def token(self, seed, step):
-        T = self.dtypes[0]
+        T, L = self.dtypes[0], self.tokens
         k = mx.random.split(mx.random.key(seed * 100 + step), 4)
-        qkv = mx.random.normal((self.B, 1, self.C), key=k[0]).astype(T)
-        z = mx.random.normal((self.B, 1, self.Hv, self.Dv), key=k[1]).astype(T)
-        a = mx.random.normal((self.B, 1, self.Hv), key=k[2]).astype(T)
-        b = mx.random.normal((self.B, 1, self.Hv), key=k[3]).astype(T)
-        mask = None if self.masks is None else mx.array(self.masks[step])[:, None]
-        proj = mx.concatenate([qkv, z.reshape(self.B, 1, -1), b, a], axis=-1)  # the fused projection's layout
+        qkv = mx.random.normal((self.B, L, self.C), key=k[0]).astype(T)
+        z = mx.random.normal((self.B, L, self.Hv, self.Dv), key=k[1]).astype(T)
+        a = mx.random.normal((self.B, L, self.Hv), key=k[2]).astype(T)
+        b = mx.random.normal((self.B, L, self.Hv), key=k[3]).astype(T)
+        mask = None if self.masks is None else mx.array(self.masks[step]).reshape(self.B, L)
+        proj = mx.concatenate([qkv, z.reshape(self.B, L, -1), b, a], axis=-1)  # the fused projection's layout
         return proj, mask
 
 
@@ -94,7 +96,7 @@ def _check_step(case, step, got, tok, params, conv_state, state):
     """got = the kernel's (out, conv state, state) for one step from (conv_state, state)."""
     out, conv_new, state_new = got
     T = case.dtypes[0]
-    assert out.shape == (case.B, 1, case.Hv * case.Dv) and out.dtype == T
+    assert out.shape == (case.B, case.tokens, case.Hv * case.Dv) and out.dtype == T
     assert conv_new.shape == conv_state.shape and conv_new.dtype == T and state_new.dtype == F32
     for name, x in (("out", out), ("conv state", conv_new), ("state", state_new)):
         assert not mx.isnan(x.astype(F32)).any().item(), f"{case} step {step}: unwritten (NaN) {name}"
@@ -106,9 +108,9 @@ def _check_step(case, step, got, tok, params, conv_state, state):
     assert errs[1] < TOL_STATE, f"{case} step {step}: state rel err {errs[1]:.2e}"
     assert max(errs[2:]) < TOL_SAME_DTYPE, f"{case} step {step}: vs same-dtype reference {errs[2:]}"
     mask = tok[1]
-    if mask is not None:  # a masked row's state passes through untouched
+    if mask is not None:  # a row whose tokens are all masked passes its state through untouched
         for r in range(case.B):
-            if not mask[r, 0].item():
+            if not mask[r].any().item():
                 assert mx.array_equal(state_new[r], state[r]).item(), f"{case} step {step}: masked row {r} changed"
     return errs
 
@@ -122,6 +124,13 @@ EMULATED = [
     Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), masks=[[True] * 3, [True, False, True], [False, True, True]]),
     Case(3, 2, 4, 16, 24, dtypes=(F32, BF16, F32, F32, F32), eps=1e-5, launch={"WARPS": 2, "RB": 3}),
     Case(1, 2, 6, 48, 40, W=3, dtypes=(BF16,) * 5),
+    # Several tokens a launch (a speculative verify): windows over the conv state and the tokens, and past it.
+    Case(1, 2, 4, 32, 48, tokens=3),
+    Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2,
+         masks=[[[True, True], [True, False], [False, False]], [[False, True], [True, True], [True, False]],
+                [[True, True], [False, False], [True, True]]]),
+    Case(2, 2, 4, 16, 24, W=3, dtypes=(F32, BF16, F32, F32, F32), launch={"WARPS": 2, "RB": 3}, tokens=5),
+    Case(1, 1, 3, 64, 32, W=2, dtypes=(BF16,) * 5, tokens=4),
 ]
 
 
@@ -143,7 +152,8 @@ def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
                                case.masks is not None, case.eps, case.launch)
             threads = 32 * (case.launch or ds.plan(case.Dk, case.Dv))["WARPS"]
             tok, params = case.token(c, step), case.params(c)
-            out_shapes = [(case.B, 1, case.Hv * case.Dv), (case.B, case.W - 1, case.C), (case.B, case.Hv, case.Dv, case.Dk)]
+            out_shapes = [(case.B, case.tokens, case.Hv * case.Dv), (case.B, case.W - 1, case.C),
+                          (case.B, case.Hv, case.Dv, case.Dk)]
             emu.add(ds.SPEC, inst, _arrays(case, tok, params, *states[c]), (case.B * case.Hv * threads, 1, 1),
                     (threads, 1, 1), out_shapes)
             inputs.append((tok, params))
@@ -163,6 +173,7 @@ GPU_CASES = EMULATED + [
     Case(2, 2, 4, 256, 256, dtypes=(BF16, BF16, F32, BF16, BF16)),
     Case(3, 1, 1, 32, 256),
     Case(2, 2, 4, 256, 32, dtypes=(mx.float16, mx.float16, F32, mx.float16, mx.float16)),
+    Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=5),  # the 35B shape's longest verify
 ]
 TOL_OUT[mx.float16] = 2e-3
 
@@ -325,7 +336,9 @@ def test_unsupported_arguments_are_declined():
         return ds.unsupported(**args)
 
     assert why() is None and why(state=None) is None
-    assert why(proj=mx.concatenate([proj, proj], axis=1)) is not None  # T = 2
+    assert why(proj=mx.concatenate([proj, proj], axis=1)) is None  # 2 tokens: a speculative verify
+    assert "shapes" in why(proj=mx.concatenate([proj] * (ds.MAX_TOKENS + 1), axis=1))
+    assert "mask" in why(proj=mx.concatenate([proj, proj], axis=1), mask=mx.array([[True]]))
     assert "shapes" in why(num_key_heads=3)
     assert "shapes" in why(proj=proj[..., 1:])
     assert "dtypes" in why(conv_state=conv_state.astype(BF16))

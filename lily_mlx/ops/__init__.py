@@ -343,11 +343,11 @@ def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, sta
 
 def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
                          eps: float, mask=None, lengths=None, source=None):
-    """deltanet_mix for one token (T = 1): one fused launch where the kernel applies, else the same
-    composition. Right-padded batches (lengths) always take the composition. proj: the fused projection
-    [B, 1, qkv | z | b | a], or a function returning it; source = (x [B, 1, K], (input norm weight, eps),
-    (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute proj in the
-    same launch, and a function given for proj is then not called."""
+    """deltanet_mix for decode tokens (T = 1, or a few after a cache: a speculative verify): one fused launch where
+    the kernel applies, else the same composition. Right-padded batches (lengths) always take the composition. proj:
+    the fused projection [B, T, qkv | z | b | a], or a function returning it; source = (x [B, 1, K], (input norm
+    weight, eps), (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute
+    proj in the same launch, and a function given for proj is then not called."""
     if lengths is None and source is not None and enabled("deltanet_step") and enabled("qmv"):
         out = _try("deltanet_chain", *source, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                    num_key_heads=num_key_heads, eps=eps, mask=mask)
@@ -405,13 +405,14 @@ def attention(q, k, v, *, scale: float, mask=None) -> mx.array:
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
                      n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
                      row_start=None, row_pos=None):
-    """One decode token of gated full attention. proj [B, 1, Hq*2*D + 2*Hkv*D] the fused projection (per
-    query head [q | gate], then k, then v); q/k_norm_weight [D]; keys, values [P*B, Hkv, capacity, D] the
-    cache (plane `plane` of P stacked ones: rows plane*B to plane*B + B), of which the first offset [1] int32
-    positions hold the earlier tokens. q and k are RMS-normalised and rotated at position offset. A
-    left-padded batch gives row_start, row_pos [B] int32: row b's tokens are columns [row_start[b], offset) and
-    its new token rotates at row_pos[b]. Returns (softmax(q K^T scale) V * sigmoid(gate) [B, 1, Hq*D], and the
-    new cache row k_new, v_new [B, Hkv, 1, D] for the caller to store at column offset)."""
+    """Decode tokens of gated full attention. proj [B, T, Hq*2*D + 2*Hkv*D] the fused projection (per query head
+    [q | gate], then k, then v) of T new tokens (1 a step; a few, at most attn_decode.MAX_TOKENS, in a speculative
+    verify: token t sees tokens 0..t); q/k_norm_weight [D]; keys, values [P*B, Hkv, capacity, D] the cache (plane
+    `plane` of P stacked ones: rows plane*B to plane*B + B), of which the first offset [1] int32 positions hold the
+    earlier tokens. q and k are RMS-normalised and rotated at position offset + t. A left-padded batch gives
+    row_start, row_pos [B] int32: row b's tokens are columns [row_start[b], offset) and its first new token rotates
+    at row_pos[b]. Returns (softmax(q K^T scale) V * sigmoid(gate) [B, T, Hq*D], and the new cache rows k_new, v_new
+    [B, Hkv, T, D] for the caller to store from column offset)."""
     args = (proj, q_norm_weight, k_norm_weight, eps, keys, values, offset)
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
               plane=plane, row_start=row_start, row_pos=row_pos)

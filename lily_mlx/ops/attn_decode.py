@@ -1,4 +1,5 @@
-"""attn_decode: one token of the gated full-attention layer (decode) from its fused q|k|v projection.
+"""attn_decode: decode tokens of the gated full-attention layer (one a step; a few in a speculative verify) from its
+fused q|k|v projection.
 
 q/k RMSNorm, partial RoPE, the new k/v row, attention over the KV cache (GQA, any head_dim that is a
 multiple of 32: MLX has no fused attention for head_dim 256 on CUDA) and the sigmoid output gate, in
@@ -20,6 +21,7 @@ from . import kernels, metal_source, register_kernel
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
 MAX_GROUP = 32  # query heads per kv head: one warp each
+MAX_TOKENS = 8  # new tokens a row (model.DECODE_TOKENS_MAX): each block holds their k/v rows up to its own
 # A block's positions are a chain of dependent loads (one memory latency per TP positions), so past a
 # few dozen positions the cache is split over many blocks: measured on the H200 (2026-12-02), one block
 # per kv head over 512 positions cost ~175 us per layer, 64 blocks of 64 positions ~20 us.
@@ -30,14 +32,15 @@ TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
 SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
-               "ROWS")
+               "ROWS", "TOKS")
 
 
-def splits(B: int, n_kv_heads: int, capacity: int) -> int:
-    """Blocks per (batch row, kv head): 1 up to SINGLE_MAX cached positions, then enough to fill the GPU."""
+def splits(rows: int, n_kv_heads: int, capacity: int) -> int:
+    """Blocks per (row, kv head), rows = batch rows x new tokens: 1 up to SINGLE_MAX cached positions, then enough
+    to fill the GPU."""
     if capacity <= SINGLE_MAX:
         return 1
-    return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, TARGET_BLOCKS // (B * n_kv_heads))))
+    return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, TARGET_BLOCKS // (rows * n_kv_heads))))
 
 
 def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
@@ -55,8 +58,8 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
         return f"heads: {Hq} query heads over {Hkv} kv heads (at most {MAX_GROUP} per kv head)"
     if D % 32 or D > MAX_HEAD_DIM or rope_dims % 2 or not 2 <= rope_dims <= D:
         return f"head_dim {D} (a multiple of 32 up to {MAX_HEAD_DIM}) / rope dims {rope_dims}"
-    if proj.shape != (B, 1, Hq * 2 * D + 2 * Hkv * D):
-        return f"proj: [B, 1, Hq*2*D + 2*Hkv*D] expected, got {proj.shape}"
+    if proj.ndim != 3 or not 1 <= proj.shape[1] <= MAX_TOKENS or proj.shape[2] != Hq * 2 * D + 2 * Hkv * D:
+        return f"proj: [B, T <= {MAX_TOKENS}, Hq*2*D + 2*Hkv*D] expected, got {proj.shape}"
     if proj.dtype not in ACT_DTYPES or keys.dtype not in ACT_DTYPES or values.dtype != keys.dtype:
         return "dtypes"
     if q_norm_weight.shape != (D,) or k_norm_weight.shape != (D,) or q_norm_weight.dtype not in ACT_DTYPES \
@@ -64,22 +67,26 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
         return "norms: weights [D] of one float dtype and eps > 0 expected"
     if offset.shape != (1,) or offset.dtype != mx.int32:
         return "offset: int32 [1] expected"
-    if (Hq // Hkv + 2) * D * 4 > SHARED_BYTES:
-        return f"{Hq // Hkv} query heads of {D} floats per block exceed {SHARED_BYTES} bytes of shared memory"
+    toks = kernels.row_bucket(proj.shape[1])
+    if (Hq // Hkv + 2 * toks) * D * 4 > SHARED_BYTES:
+        return (f"{Hq // Hkv} query heads and {toks} new k/v rows of {D} floats per block exceed {SHARED_BYTES} bytes "
+                "of shared memory")
     if not scale > 0:
         return f"scale {scale}"
     return None
 
 
 def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
-             eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False) -> kernels.Instance:
+             eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False,
+             tokens: int = 1) -> kernels.Instance:
+    """tokens: new tokens a row; the build holds row_bucket(tokens) of them (TOKS)."""
     template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
                 ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
-                ("TP", TP), ("ROWS", bool(rows)))
+                ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)))
     kv = (cache_dtype, (B, Hkv, capacity, D))
     per_row = (mx.int32, (B,) if rows else (1,))
-    inputs = ((dtype, (B, 1, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
+    inputs = ((dtype, (B, tokens, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
               (mx.int32, (1,)), per_row, per_row)
     return kernels.Instance(template, inputs, (dtype, cache_dtype, cache_dtype, mx.float32, mx.float32))
 
@@ -106,9 +113,9 @@ def _plane_array(plane: int) -> mx.array:
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
                      n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, backend: str, plane: int = 0,
                      row_start=None, row_pos=None, init_value: Optional[float] = None, merge: bool = True):
-    """(out [B, 1, Hq*D], k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, D]) or None when the kernels do not apply.
+    """(out [B, T, Hq*D], k_new [B, Hkv, T, D], v_new [B, Hkv, T, D]) or None when the kernels do not apply.
     See ops.attention_decode for the arguments. merge=False leaves a split cache's partials unmerged: out is
-    then (part_acc [B, Hq, NS, D], part_ml [B, Hq, NS, 2]) for qmv_attn to merge."""
+    then (part_acc [B*T, Hq, NS, D], part_ml [B*T, Hq, NS, 2]) for qmv_attn to merge."""
     rows = None if row_start is None else (row_start, row_pos)
     key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
            offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
@@ -118,32 +125,32 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
         launch = None
         if unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
                        scale, plane, rows) is None:
-            B, (_, Hkv, cap, D) = proj.shape[0], keys.shape
-            ns = splits(B, Hkv, cap)
+            (B, L, _), (_, Hkv, cap, D) = proj.shape, keys.shape
+            ns = splits(B * L, Hkv, cap)
             inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
-                            eps, scale, ns > 1, rows=rows is not None)
+                            eps, scale, ns > 1, rows=rows is not None, tokens=L)
             comb = combine_instance(proj.dtype, B, n_heads, Hkv, D)
             launch = (list(inst.template), list(comb.template), ns)
         _LAUNCH[key] = launch
     if launch is None:
         return None
     template, comb_template, ns = launch
-    B, (_, Hkv, _, D) = proj.shape[0], keys.shape
+    (B, L, _), (_, Hkv, _, D) = proj.shape, keys.shape
     Hq, threads = n_heads, 32 * (n_heads // Hkv)
     split = ns > 1
-    shapes = [(B, 1, Hq * D) if not split else (1,), (B, Hkv, 1, D), (B, Hkv, 1, D),
-              (B, Hq, ns, D) if split else (1,), (B, Hq, ns, 2) if split else (1,)]
+    shapes = [(B, L, Hq * D) if not split else (1,), (B, Hkv, L, D), (B, Hkv, L, D),
+              (B * L, Hq, ns, D) if split else (1,), (B * L, Hq, ns, 2) if split else (1,)]
     out, k_new, v_new, part_acc, part_ml = kernels.call(
         "attn_decode", backend, [proj, q_norm_weight, k_norm_weight, keys, values, offset, _plane_array(plane),
                                  *(rows or (_plane_array(0), _plane_array(0)))], template,
-        (B * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
+        (B * L * Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes,
         [proj.dtype, keys.dtype, keys.dtype, mx.float32, mx.float32], init_value)
     if split and not merge:
         return (part_acc, part_ml), k_new, v_new
-    if split:
+    if split:  # attn_combine: a block per (row, new token, query head)
         threads = 32 * COMBINE_WARPS
         (out,) = kernels.call("attn_combine", backend, [part_acc, part_ml, proj], comb_template,
-                              (B * Hq * threads, 1, 1), (threads, 1, 1), [(B, 1, Hq * D)], [proj.dtype], init_value)
+                              (B * L * Hq * threads, 1, 1), (threads, 1, 1), [(B, L, Hq * D)], [proj.dtype], init_value)
     return out, k_new, v_new
 
 
@@ -160,6 +167,9 @@ def _instances() -> list[kernels.Instance]:
                 for rows in (False, True) if B > 1 and dt == mx.bfloat16 else (False,):  # a left-padded batch
                     out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split,
                                         rows=rows))
+            for tokens in (2, 5):  # a speculative verify's tokens
+                out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, True,
+                                    tokens=tokens))
     return kernels.unique_instances(out, key=kernels.source_key)
 
 
@@ -205,7 +215,7 @@ def _dispatch_fold(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset
     from . import backend, enabled, quantized_matmul_add
     from .qmv import qmv_attn
 
-    if not enabled("attn_decode") or splits(proj.shape[0], kw["n_kv_heads"], keys.shape[2]) > FOLD_MAX_SPLITS:
+    if not enabled("attn_decode") or splits(proj.shape[0] * proj.shape[1], kw["n_kv_heads"], keys.shape[2]) > FOLD_MAX_SPLITS:
         return None
     res = attention_decode(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, **kw, backend=backend(),
                            merge=False)

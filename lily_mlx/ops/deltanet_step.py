@@ -1,4 +1,4 @@
-"""deltanet_step: one Gated DeltaNet decode token in ONE launch.
+"""deltanet_step: Gated DeltaNet decode tokens in ONE launch (one token a step; a few in a speculative verify).
 
 Conv1d state shift + depthwise conv + SiLU over the head's q/k/v channels, q/k L2 norms, the gates
 g and beta, the delta-rule update of the float32 state and the gated RMSNorm: the body is
@@ -18,6 +18,7 @@ from . import kernels, register_kernel
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 256  # Dk, Dv: the state rows a warp holds in registers are sized for this
 MAX_CONV_WIDTH = 8
+MAX_TOKENS = 8  # tokens a row: each block runs them in turn (model.DECODE_TOKENS_MAX)
 STATE_REGS = 64  # floats of state one lane holds per pass over its rows
 
 SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS")
@@ -43,9 +44,9 @@ def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, stat
                 mask=None) -> Optional[str]:
     """Why the kernel does not apply to these arguments (None when it does)."""
     heads = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
-    if proj.ndim != 3 or proj.shape[1] != 1 or heads is None:
-        return f"shapes: proj [B, 1, C + Hv*Dv + 2*Hv] expected, got {proj.shape}"
-    B = proj.shape[0]
+    if proj.ndim != 3 or not 1 <= proj.shape[1] <= MAX_TOKENS or heads is None:
+        return f"shapes: proj [B, T <= {MAX_TOKENS}, C + Hv*Dv + 2*Hv] expected, got {proj.shape}"
+    B, T = proj.shape[:2]
     Hk, Hv, Dk, Dv, Cc = heads
     if not (1 <= Dk <= MAX_HEAD_DIM and 1 <= Dv <= MAX_HEAD_DIM):
         return f"head dims Dk={Dk}, Dv={Dv} beyond {MAX_HEAD_DIM}"
@@ -58,8 +59,8 @@ def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, stat
         return "gate shapes"
     if state is not None and (state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32):
         return "state: float32 [B, Hv, Dv, Dk] expected"
-    if mask is not None and (mask.shape != (B, 1) or mask.dtype != mx.bool_):
-        return "mask: bool [B, 1] expected"
+    if mask is not None and (mask.shape != (B, T) or mask.dtype != mx.bool_):
+        return f"mask: bool [B, {T}] expected"
     if proj.dtype not in ACT_DTYPES or conv_state.dtype != proj.dtype:
         return "dtypes: proj and the conv state must share one float dtype"
     if any(x.dtype not in ACT_DTYPES for x in (conv_weight, A_log, dt_bias, norm_weight)):
@@ -108,9 +109,9 @@ def _launch(args, num_key_heads, eps, mask, launch):
 
 def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
                   eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None):
-    """One decode token from the fused projection proj [B, 1, qkv | z | b | a]: (out [B, 1, Hv*Dv] in
+    """T <= MAX_TOKENS decode tokens from the fused projection proj [B, T, qkv | z | b | a]: (out [B, T, Hv*Dv] in
     proj's dtype, new conv state [B, W-1, C], new state [B, Hv, Dv, Dk] float32), or None when the kernel
-    does not apply. state None means zeros; mask [B, 1] bool marks real tokens (a masked row leaves the
+    does not apply. state None means zeros; mask [B, T] bool marks real tokens (a masked token leaves the
     state unchanged)."""
     args = (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
     plan_ = _launch(args, num_key_heads, eps, mask, launch)
@@ -122,7 +123,7 @@ def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, st
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
               kernels.placeholder(mx.bool_) if mask is None else mask]
-    shapes = [(B, 1, Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk)]
+    shapes = [(B, proj.shape[1], Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk)]
     return tuple(kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
                               [proj.dtype, proj.dtype, mx.float32], init_value))
 

@@ -189,19 +189,23 @@ def attn_instance(dtype, scale_dtype, M: int, Hq: int, Hkv: int, D: int, N: int,
 
 def qmv_attn(part_acc, part_ml, proj, w, scales, biases, residual, *, n_kv_heads: int, group_size: int, bits: int,
              backend: str, init_value: Optional[float] = None):
-    """residual + merge(part_acc [B, Hq, NS, D], part_ml [B, Hq, NS, 2]) * sigmoid(gates of proj) @ dequant(w)^T,
-    [B, 1, N] in proj's dtype: attn_combine and the output projection in one launch. None if not applicable."""
-    B, Hq, ns, D = part_acc.shape
+    """residual + merge(part_acc [R, Hq, NS, D], part_ml [R, Hq, NS, 2]) * sigmoid(gates of proj) @ dequant(w)^T, of
+    proj [B, T, Hq*2*D + 2*Hkv*D] (R = B*T rows: a speculative verify's tokens too), [B, T, N] in proj's dtype:
+    attn_combine and the output projection in one launch. None if not applicable."""
+    R, Hq, ns, D = part_acc.shape
     K = Hq * D
-    if (part_ml.shape != (B, Hq, ns, 2) or part_acc.dtype != mx.float32 or part_ml.dtype != mx.float32
-            or proj.shape != (B, 1, Hq * 2 * D + 2 * n_kv_heads * D) or D % 32):
+    if (part_ml.shape != (R, Hq, ns, 2) or part_acc.dtype != mx.float32 or part_ml.dtype != mx.float32
+            or proj.ndim != 3 or proj.shape[0] * proj.shape[1] != R or proj.shape[2] != Hq * 2 * D + 2 * n_kv_heads * D
+            or D % 32):
         return None
-    key = ("attn", B, Hq, n_kv_heads, D, proj.dtype, w.shape, scales.dtype, group_size, bits, residual.shape, residual.dtype)
+    key = ("attn", proj.shape, Hq, n_kv_heads, D, proj.dtype, w.shape, scales.dtype, group_size, bits, residual.shape,
+           residual.dtype)
     launch = _LAUNCH.get(key, False)
     if launch is False:
         launch = None
-        if unsupported(kernels.Shaped((B, 1, K), proj.dtype), w, scales, biases, group_size, bits, None, residual) is None:
-            M, N = kernels.row_bucket(B), w.shape[0]
+        if unsupported(kernels.Shaped((*proj.shape[:2], K), proj.dtype), w, scales, biases, group_size, bits, None,
+                       residual) is None:
+            M, N = kernels.row_bucket(R), w.shape[0]
             p = plan(M, K, N, bits, ATTN_MIN_BLOCKS)
             inst = attn_instance(proj.dtype, scales.dtype, M, Hq, n_kv_heads, D, N, bits, group_size)
             launch = (list(inst.template), (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1), N)
@@ -210,7 +214,7 @@ def qmv_attn(part_acc, part_ml, proj, w, scales, biases, residual, *, n_kv_heads
         return None
     template, grid, group, N = launch
     (y,) = kernels.call("qmv_attn", backend, [part_acc, part_ml, proj, w, scales, biases, residual], template, grid,
-                        group, [(B, 1, N)], [proj.dtype], init_value)
+                        group, [residual.shape], [proj.dtype], init_value)
     return y
 
 

@@ -298,30 +298,31 @@ def attention_oracle(q, k, v, *, scale: float, mask=None) -> mx.array:
 def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, *, n_heads: int,
                      n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
                      row_start=None, row_pos=None):
-    """One decode token of gated attention from the fused projection; see ops.attention_decode. The
-    cache's first `offset` positions and the new row are attended to without copying the cache."""
-    B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
+    """Decode tokens of gated attention from the fused projection [B, T, ...]; see ops.attention_decode. The cache's
+    first `offset` positions and the new rows (token t sees tokens 0..t) are attended to without copying the cache."""
+    (B, T, _), (PB, Hkv, cap, D) = proj.shape, keys.shape
     if PB != B:  # stacked planes: this layer's rows
         keys, values = keys[plane * B:(plane + 1) * B], values[plane * B:(plane + 1) * B]
     Hq, rep = n_heads, n_heads // n_kv_heads
     q, k, v = mx.split(proj, [Hq * 2 * D, Hq * 2 * D + Hkv * D], axis=-1)
-    q, gate = mx.split(q.reshape(B, 1, Hq, 2 * D), 2, axis=-1)
+    q, gate = mx.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)
     pos = offset.reshape(())
     rpos = pos if row_pos is None else row_pos  # per row: mx.fast.rope takes a [B] offset
-    q = rope(rms_norm(q, q_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)  # [B, Hq, 1, D]
-    k = rope(rms_norm(k.reshape(B, 1, Hkv, D), k_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)
-    v = v.reshape(B, 1, Hkv, D).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
-    qg = q.astype(mx.float32).reshape(B, Hkv, rep, D) * scale
-    s_cache = qg @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, cap]
+    q = rope(rms_norm(q, q_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)  # [B, Hq, T, D]
+    k = rope(rms_norm(k.reshape(B, T, Hkv, D), k_norm_weight, eps).transpose(0, 2, 1, 3), rope_dims, rope_theta, rpos)
+    v = v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    qg = q.astype(mx.float32).reshape(B, Hkv, rep * T, D) * scale  # rows: (query head in the group, token)
+    s_cache = qg @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep*T, cap]
     visible = mx.arange(cap) < pos  # [cap], or [B, 1, 1, cap] for a left-padded batch
     if row_start is not None:
         visible = visible & (mx.arange(cap) >= row_start[:, None, None, None])
     s_cache = mx.where(visible, s_cache, -math.inf)
-    s_new = qg @ k.astype(mx.float32).swapaxes(-1, -2)  # [B, Hkv, rep, 1]
+    causal = mx.tile(mx.arange(T)[:, None] >= mx.arange(T)[None, :], (rep, 1))  # [rep*T, T]: token t sees 0..t
+    s_new = mx.where(causal, qg @ k.astype(mx.float32).swapaxes(-1, -2), -math.inf)  # [B, Hkv, rep*T, T]
     p = mx.softmax(mx.concatenate([s_cache, s_new], axis=-1), axis=-1)
-    out = p[..., :cap] @ values.astype(mx.float32) + p[..., cap:] * v.astype(mx.float32)  # [B, Hkv, rep, D]
-    out = out.astype(proj.dtype).reshape(B, 1, Hq * D) * mx.sigmoid(gate.reshape(B, 1, Hq * D))
-    return out, k.astype(keys.dtype), v.astype(keys.dtype)
+    out = p[..., :cap] @ values.astype(mx.float32) + p[..., cap:] @ v.astype(mx.float32)  # [B, Hkv, rep*T, D]
+    out = out.reshape(B, Hq, T, D).transpose(0, 2, 1, 3).astype(proj.dtype).reshape(B, T, Hq * D)
+    return out * mx.sigmoid(gate.reshape(B, T, Hq * D)), k.astype(keys.dtype), v.astype(keys.dtype)
 
 
 def moe_route(logits: mx.array, top_k: int, normalize: bool):
