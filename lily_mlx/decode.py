@@ -211,6 +211,30 @@ class CompiledVerifier(CompiledDecoder):
         self.states, self.offset = list(snapshot[0]), snapshot[1]
 
 
+class CompiledDrafter:
+    """The MTP head's drafts (lily_mlx.speculative) compiled per position count, over its own fixed-capacity KV cache
+    made from `mtp_cache` (mlx-lm KVCaches holding tokens): `drafter(hidden [B, L, H], next_tokens [B, L]) -> the
+    argmax draft for the token after the last [B] int32`, its cache grown by L."""
+
+    def __init__(self, model, mtp_cache: List[Any], reserve: int = STEP):
+        self.offset = mtp_cache[0].offset
+        capacity = _round_up(self.offset + reserve)
+        self.kv = [(_pad_to(c.keys[..., :self.offset, :], capacity), _pad_to(c.values[..., :self.offset, :], capacity))
+                   for c in mtp_cache]
+        n = len(mtp_cache)
+        self._fn = _shared_step(model, n, list(range(n)), [], "draft")
+
+    def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
+        L = next_tokens.shape[-1]
+        if self.offset + L > self.kv[0][0].shape[2]:
+            capacity = _round_up(self.offset + L + STEP)
+            self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
+        out = self._fn(hidden, next_tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, []))
+        self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
+        self.offset += L
+        return out[0]
+
+
 class CompiledBatchDecoder:
     """Decode steps of B rows held in mlx-lm's BatchKVCache (left-padded) and ArraysCache, compiled like
     CompiledDecoder: the rows' K/V at a fixed capacity, each step writing column `idx` and attending through
@@ -319,6 +343,17 @@ def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int
     return (*out, *_flatten([(s.keys, s.values) for s in shims], states))
 
 
+def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int], hidden, next_tokens, offset1, *flat):
+    """The MTP head over positions hidden [B, L, H] with tokens next_tokens [B, L], its K/V written from offset1: the
+    argmax draft for the token after the last [B] int32, then its K/V arrays."""
+    offset = offset1.reshape(())
+    kv, _ = _unflatten(flat, len(kv_index), 0)
+    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
+    h = model.mtp_hidden(hidden, next_tokens, shims)[:, -1]
+    draft = mx.argmax(model.language_model.logits(h), axis=-1).astype(mx.int32)
+    return (draft, *_flatten([(s.keys, s.values) for s in shims], []))
+
+
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
                   head: Callable = _last_logits):
     """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
@@ -352,7 +387,7 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
         ref = weakref.ref(model, lambda _, k=id(model): _SHARED.pop(k, None))
         _SHARED[id(model)] = (ref, steps)
     if key not in steps:
-        for old in [k for k in steps if k[1:] != key[1:]]:  # the old trace's weights or switches are gone: free it
+        for old in [k for k in steps if k[-2:] != key[-2:]]:  # the old trace's weights or switches are gone: free it
             del steps[old]
         # The traced function holds the model weakly: a dropped model frees its entry, traces and weights.
         step = _step_function(kind)
@@ -362,7 +397,10 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
 
 def _step_function(kind: str) -> Callable:
     """The traced step of a kind: a decode step over per-layer or stacked K/V ("single", "stacked"), a batch's,
-    or either of the first two returning a speculative verify's outputs ("verify", "stacked_verify")."""
+    or either of the first two returning a speculative verify's outputs ("verify", "stacked_verify"), or the MTP
+    head's draft ("draft")."""
+    if kind == "draft":
+        return _draft_step
     if kind.endswith("verify"):
         step = _stacked_step if kind == "stacked_verify" else _decode_step
         return lambda *args: step(*args, head=_last_two)

@@ -159,7 +159,9 @@ class GatedDeltaNet(nn.Module):
         args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state)
         kw = dict(num_key_heads=self.Hk, eps=self.norm.eps, mask=mask, lengths=lengths)
         h = None
-        if T == 1:  # one token: the fused decode step where a kernel applies (same composition otherwise)
+        # One token, or a few after a cache (a speculative verify): the fused decode step where a kernel applies
+        # (the same composition otherwise).
+        if T == 1 or (T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None):
             source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_in.quantized())
             o = None if residual is None or source is None else output_weights(self.out_proj, residual, x.dtype)
             chained = None if o is None or lengths is not None else ops.deltanet_decode_add(
@@ -168,8 +170,6 @@ class GatedDeltaNet(nn.Module):
                 h, conv_state, state = chained
             else:
                 out, conv_state, state = ops.deltanet_decode_step(proj, *args, source=source, **kw)
-        elif T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None:
-            out, conv_state, state = ops.deltanet_decode_step(proj, *args, **kw)  # a few tokens after a cache
         else:
             out, conv_state, state = ops.deltanet_mix(proj(), *args, **kw)  # out [B, T, Hv*Dv]
         if cache is not None:

@@ -23,7 +23,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from .decode import STEP, CompiledVerifier
+from .decode import STEP, CompiledDrafter, CompiledVerifier
 from .memory import bounded_prefill
 
 # Pending tokens (after rejections in a row) past which they are absorbed by a forward of their own, so a run of
@@ -114,9 +114,13 @@ def mtp_generate_step(
     def history(*extra: mx.array) -> Optional[mx.array]:
         return mx.concatenate([mx.array(ids, dtype=mx.int32), *extra]) if logits_processors else None
 
+    drafter = None  # the compiled draft, once the MTP head's cache holds a token
+
     def draft(hidden: mx.array, next_tokens: mx.array) -> mx.array:
         """The MTP head at positions t (hidden [1, L, H]) with tokens t+1 (next_tokens [L]): its cache grows by L,
         and its argmax for the token after the last, [1] int32, lazy."""
+        if drafter is not None:
+            return drafter(hidden, next_tokens[None])
         h = model.mtp_hidden(hidden, next_tokens[None], mtp_cache)[:, -1]
         return mx.argmax(lm.logits(h), axis=-1).astype(mx.int32)
 
@@ -139,8 +143,9 @@ def mtp_generate_step(
         d = draft(hidden, token)
         mx.eval(token)
         progress(n_prompt, n_prompt)
-        if CompiledVerifier.applicable(model, cache):  # one compiled step per token count from here on
-            main = CompiledVerifier(model, cache, reserve=max_tokens + max_pending + 2 if max_tokens > 0 else STEP)
+        if CompiledVerifier.applicable(model, cache):  # compiled steps per token count from here on
+            reserve = max_tokens + max_pending + 2 if max_tokens > 0 else STEP
+            main, drafter = CompiledVerifier(model, cache, reserve), CompiledDrafter(model, mtp_cache, reserve)
         ids.append(token.item())
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
         pending = ids[-1:]

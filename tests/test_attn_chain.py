@@ -35,6 +35,9 @@ CASES = [
     (Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5), 96, 4, 32, 64, 4),  # 4 positions over 5 splits: one split is empty
     (Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, planes=3, plane=2), 256, 4, 64, 40, 4),
     (Case(3, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, starts=[0, 20, 36]), 128, 4, 32, 37, 8),
+    # A speculative verify's tokens.
+    (Case(1, 4, 2, 32, 8, 16, 5, nsplit=2, tokens=3), 96, 4, 32, 70, 4),
+    (Case(2, 6, 2, 64, 16, 40, 30, BF16, nsplit=3, tokens=2, starts=[0, 12]), 256, 8, 64, 37, 8),
 ]
 MODEL = [(Case(B, 16, 2, 256, 64, cap, off, dt, theta=1e7), 2048, 4, 64, 2048, 4)
          for B, cap, off, dt in ((1, 256, 200, BF16), (1, 4096, 3001, BF16), (2, 512, 300, F32))]
@@ -46,12 +49,12 @@ def _inputs(case, K, bits, gs, H, obits, seed=0):
     [B, 1, H] (H is not K here, so a kernel mixing up the two fails)."""
     T, PW = case.dtype, case.Hq * 2 * case.D + 2 * case.Hkv * case.D
     k = mx.random.split(mx.random.key(seed), 5)
-    x = (mx.random.normal((case.B, 1, K), key=k[0]) * 2).astype(T)
+    x = (mx.random.normal((case.B, case.tokens, K), key=k[0]) * 2).astype(T)
     norm = ((1 + 0.2 * mx.random.normal((K,), key=k[1])).astype(T), 1e-6)
     w, s, b = mx.quantize(mx.random.normal((PW, K), key=k[2]) * (2.0 / K ** 0.5), group_size=gs, bits=bits)
     ow, os_, ob = mx.quantize(mx.random.normal((H, case.Hq * case.D), key=k[3]) * 0.05, group_size=32, bits=obits)
     _, qn, kn, keys, values, offset = case.arrays(seed)
-    res = mx.random.normal((case.B, 1, H), key=k[4]).astype(T)
+    res = mx.random.normal((case.B, case.tokens, H), key=k[4]).astype(T)
     return (x, norm, (w, s.astype(BF16), b.astype(BF16), bits, gs), qn, kn, keys, values, offset,
             (ow, os_.astype(BF16), ob.astype(BF16), obits, 32), res)
 
@@ -82,20 +85,21 @@ def _check_chain(case, inputs, got, fold):
 
 def _emulated_launch(case, inputs, fold):
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
-    B, Hq, Hkv, D, K = case.B, case.Hq, case.Hkv, case.D, x.shape[-1]
+    B, L, Hq, Hkv, D, K = case.B, case.tokens, case.Hq, case.Hkv, case.D, x.shape[-1]
     H, obits = o_proj[0].shape[0], o_proj[3]
-    p = ac.plan(kernels.row_bucket(B), K, Hq, Hkv, D, qkv[3], H, obits, fold)
+    p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold)
     inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
-                       case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p)
+                       case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p,
+                       tokens=L)
     zero = mx.array([0], dtype=mx.int32)
     rows = [r for r in case.rows() if r is not None] or [zero, zero]
     args = [x, *qkv[:3], norm[0], qn, kn, keys, values, offset, mx.array([case.plane], dtype=mx.int32), *rows,
             *o_proj[:3], res, mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
     ns, PW = case.nsplit, qkv[0].shape[0]
-    shapes = [(B, Hkv, 1, D), (B, Hkv, 1, D), (B, Hq, ns, D), (B, Hq, ns, 2), (B, 1, PW)] + \
-        ([] if fold else [(B, 1, Hq * D)]) + [res.shape]
+    shapes = [(B, Hkv, L, D), (B, Hkv, L, D), (B * L, Hq, ns, D), (B * L, Hq, ns, 2), (B, L, PW)] + \
+        ([] if fold else [(B, L, Hq * D)]) + [res.shape]
     threads = 32 * p["WARPS"]
-    grid = (ac.blocks(p, B, Hq, Hkv, ns, fold) * threads, 1, 1)
+    grid = (ac.blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1)
     return ac.SPEC if fold else ac.LONG_SPEC, inst, args, grid, (threads, 1, 1), shapes
 
 
@@ -144,7 +148,7 @@ def test_unsupported_arguments_are_declined():
     assert "heads" in why(n_heads=5)
     assert "output projection" in why(o_proj=(*o_proj[:3], 3, 32))
     assert "output projection" in why(residual=res[..., :-1])  # o_proj's rows are not the residual's width
-    assert "[B, 1, K]" in why(x=x.reshape(1, 1, 1, -1))
+    assert "[B, T <= 8, K]" in why(x=x.reshape(1, 1, 1, -1))
     assert ac.decode_add(x, None, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, backend="cuda",
                          **{k: v for k, v in case.kw().items() if k not in ("row_start", "row_pos")}) is None
 
@@ -199,7 +203,7 @@ def _gpu(backend, case, K, bits, gs, H, obits, fold):
     mx.eval(first)
     second = run()
     mx.eval(second)
-    _check_chain(case, inputs, first, fold and ad.splits(case.B, case.Hkv, case.cap) <= ad.FOLD_MAX_SPLITS)
+    _check_chain(case, inputs, first, fold and ad.splits(case.B * case.tokens, case.Hkv, case.cap) <= ad.FOLD_MAX_SPLITS)
     for f, s in zip(first, second):
         assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
     assert not np.array(kernels.sync_counters(qkv[0])).any()

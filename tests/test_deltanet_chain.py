@@ -27,6 +27,8 @@ CASES = [
     (Case(1, 1, 3, 64, 32), 96, 4, 32),
     (Case(3, 2, 6, 48, 40, dtypes=(BF16, BF16, F32, BF16, BF16)), 256, 8, 64),
     (Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), masks=[[True, False, True]]), 96, 4, 32),
+    (Case(1, 1, 3, 64, 32, tokens=3), 96, 4, 32),  # a speculative verify's tokens
+    (Case(2, 2, 6, 48, 40, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2), 256, 8, 64),
 ]
 MODEL = [(Case(B, 16, 32, 128, 128, dtypes=(t, t, F32, t, t)), 2048, 4, 64) for B, t in ((1, BF16), (3, F32))]
 # deltanet_chain_out: the cases whose Hv*Dv a group of 32 divides (the output projection's input).
@@ -39,11 +41,11 @@ def _inputs(case, K, bits, gs, seed=0):
     T = case.dtypes[0]
     PW = case.C + case.Hv * case.Dv + 2 * case.Hv
     k = mx.random.split(mx.random.key(seed), 3)
-    x = (mx.random.normal((case.B, 1, K), key=k[0]) * 2).astype(T)
+    x = (mx.random.normal((case.B, case.tokens, K), key=k[0]) * 2).astype(T)
     norm = ((1 + 0.2 * mx.random.normal((K,), key=k[1])).astype(T), 1e-6)
     w, s, b = mx.quantize(mx.random.normal((PW, K), key=k[2]) * (1.5 / K ** 0.5), group_size=gs, bits=bits)
     conv_state, state = case.initial(seed)
-    mask = None if case.masks is None else mx.array(case.masks[0])[:, None]
+    mask = None if case.masks is None else mx.array(case.masks[0]).reshape(case.B, case.tokens)
     return x, norm, (w, s.astype(BF16), b.astype(BF16), bits, gs), case.params(seed), conv_state, state, mask
 
 
@@ -89,7 +91,7 @@ def test_chain_emulated_matches_reference(tmp_path):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
         conv_w, A_log, dt_bias, norm_w = params
-        M = kernels.row_bucket(case.B)
+        M = kernels.row_bucket(case.B * case.tokens)
         o = None if out_proj is None else (K, 4, 32, BF16)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
                            norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
@@ -98,7 +100,7 @@ def test_chain_emulated_matches_reference(tmp_path):
         p = dc.plan(M, K, PW, bits, case.Dk, case.Dv, None if o is None else (case.Hv * case.Dv, K, 4))
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
                 kernels.placeholder(mx.bool_) if mask is None else mask]
-        shapes = [(case.B, 1, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, 1, PW)]
+        shapes = [(case.B, case.tokens, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, case.tokens, PW)]
         blocks = p["proj_blocks"] + case.B * case.Hv
         if out_proj is not None:
             args += [*out_proj[:3], x]

@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import lily_mlx
 from lily_mlx import speculative
-from lily_mlx.decode import CompiledVerifier
+from lily_mlx.decode import CompiledDrafter, CompiledVerifier
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.generation import generate_step, stream_generate
 
@@ -79,8 +79,9 @@ def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=13, prompt_cache=plain_cache)]
-    real = model.mtp_hidden
+    real, drafted = model.mtp_hidden, CompiledDrafter.__call__
     monkeypatch.setattr(model, "mtp_hidden", lambda h, t, c=None: mx.zeros_like(real(h, t, c)))  # logits all 0
+    monkeypatch.setattr(CompiledDrafter, "__call__", lambda self, h, t: mx.zeros_like(drafted(self, h, t)))
     forwards, call = [], CompiledVerifier.__call__
     monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
     spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
@@ -141,10 +142,13 @@ def test_several_tokens_take_the_decode_path(embedded, monkeypatch):
     _caches_equal(runs[0][1], runs[1][1])
 
 
-def test_verify_step_launches(monkeypatch, tmp_path):
+@pytest.mark.parametrize("chains", [False, True], ids=["defaults", "all-chains"])
+def test_verify_step_launches(monkeypatch, tmp_path, chains):
     """The compiled verify step at the 35B-A3B layer stack (tests/test_decode_budget.py's stand-ins): its T tokens
-    take the decode step's launches, each kernel once for all of them, and about its other primitives."""
+    take a decode step's launches, each kernel once for all of them (with every chain on too: two a layer), and its
+    other primitives."""
     import collections
+    import contextlib
 
     from lily_mlx import ops
     from lily_mlx.ops import kernels
@@ -162,17 +166,22 @@ def test_verify_step_launches(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernels, "call", standin)
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    expected = ({"dequant_rows": 1, "deltanet_chain_out": 30, "attn_chain": 10, "moe_chain": 40} if chains else
+                {"dequant_rows": 1, "qmv": 110, "deltanet_step": 30, "attn_decode": 10, "qmv_attn": 10,
+                 "moe_gate_up": 40, "moe_down_combine": 40})
     totals = {}
     for T in (1, 2, 5):
         verifier = CompiledVerifier(model, cache, reserve=8)
         flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
         mx.eval(flat)
         launches.clear()
-        with ops.switched("prefill_overlap", False):  # the compiled trace never dispatches; this eager call must not
+        with contextlib.ExitStack() as switches:
+            switches.enter_context(ops.switched("prefill_overlap", False))  # an eager call here; traces never dispatch
+            for name in ("moe_chain", "deltanet_chain_out", "attn_chain") if chains else ():
+                ops.set_enabled(name, True)
             out = verifier._step(mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32), *flat)
-        assert dict(launches) == {"dequant_rows": 1, "qmv": 110, "deltanet_step": 30, "attn_decode": 10, "qmv_attn": 10,
-                                  "moe_gate_up": 40, "moe_down_combine": 40}
+        assert dict(launches) == expected
         counts = _primitives(out, tmp_path / f"verify{T}.dot")
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
-        print(f"verify step, {T} tokens: {totals[T]} primitives")
+        print(f"verify step, {T} tokens{', every chain' if chains else ''}: {totals[T]} primitives")
     assert totals[5] <= totals[1] + 2  # the slice of the last two positions

@@ -31,19 +31,20 @@ def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: in
             "out": qmv.plan_chained(M, Hq * D, H, obits, warps, qmv.ATTN_MIN_BLOCKS if fold else qmv.MIN_BLOCKS)}
 
 
-def blocks(p: dict, B: int, Hq: int, Hkv: int, nsplit: int, fold: bool) -> int:
-    """The grid's blocks: the input projection's, the attention's (a block per row, kv head and split), attn_combine's
-    (a block per row and query head; attn_chain_long), the output projection's."""
-    return p["qkv"]["blocks"] + B * Hkv * nsplit + (0 if fold else B * Hq) + p["out"]["blocks"]
+def blocks(p: dict, rows: int, Hq: int, Hkv: int, nsplit: int, fold: bool) -> int:
+    """The grid's blocks: the input projection's, the attention's (a block per row, kv head and split; rows = batch
+    rows x new tokens), attn_combine's (a block per row and query head; attn_chain_long), the output projection's."""
+    return p["qkv"]["blocks"] + rows * Hkv * nsplit + (0 if fold else rows * Hq) + p["out"]["blocks"]
 
 
-def shared_bytes(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, obits: int, fold: bool) -> int:
+def shared_bytes(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, obits: int, fold: bool, tokens: int = 1) -> int:
     """attn_chain.inc's threadgroup memory, at most: the larger x tile of the two projections or the attention's
     vectors, the tiles' chunk sums, the norm's scratch, qmv_attn's per-head merge (or attn_combine's), the ticket."""
     warps, budget = Hq // Hkv, qmv.XBUDGET
     tiles = min(M * K, budget), min(M * Hq * D, budget)
     sums = max(tiles[0] * bits // 128, tiles[1] * obits // 128)
-    return 4 * (max(*tiles, (warps + 2) * D) + 3 + sums + M * warps + (2 * M * Hq if fold else 2 * warps) + 1)
+    vectors = (warps + 2 * kernels.row_bucket(tokens)) * D
+    return 4 * (max(*tiles, vectors) + 3 + sums + M * warps + (2 * M * Hq if fold else 2 * warps) + 1)
 
 
 def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, offset, o_proj, residual, n_heads: int,
@@ -56,22 +57,22 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
     why = qmv.unsupported(x, w, scales, biases, group_size, bits, norm=norm)
     if why:
         return why
-    if x.ndim != 3 or x.shape[1] != 1:
-        return f"x [B, 1, K] expected, got {x.shape}"
-    B = x.shape[0]
-    proj = kernels.Shaped((B, 1, w.shape[0]), x.dtype)
+    if x.ndim != 3 or not 1 <= x.shape[1] <= ad.MAX_TOKENS:
+        return f"x [B, T <= {ad.MAX_TOKENS}, K] expected, got {x.shape}"
+    B, L = x.shape[:2]
+    proj = kernels.Shaped((B, L, w.shape[0]), x.dtype)
     why = ad.unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
                          scale, plane, rows)
     if why:
         return why
     D = keys.shape[-1]
     wo, so, bo, obits, ogs = o_proj
-    why = qmv.unsupported(kernels.Shaped((B, 1, n_heads * D), x.dtype), wo, so, bo, ogs, obits, residual=residual)
+    why = qmv.unsupported(kernels.Shaped((B, L, n_heads * D), x.dtype), wo, so, bo, ogs, obits, residual=residual)
     if why:
         return f"output projection: {why}"
-    M = kernels.row_bucket(B)
-    if shared_bytes(M, x.shape[-1], n_heads, n_kv_heads, D, bits, obits, False) > metal_source.THREADGROUP_BYTES or \
-            shared_bytes(M, x.shape[-1], n_heads, n_kv_heads, D, bits, obits, True) > metal_source.THREADGROUP_BYTES:
+    M = kernels.row_bucket(B * L)
+    if max(shared_bytes(M, x.shape[-1], n_heads, n_kv_heads, D, bits, obits, fold, L)
+           for fold in (False, True)) > metal_source.THREADGROUP_BYTES:
         return f"over Metal's {metal_source.THREADGROUP_BYTES} bytes of threadgroup memory"
     return None
 
@@ -79,22 +80,23 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
 def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_dtype, B: int, K: int, bits: int,
              group_size: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float, eps: float, eps_in: float,
              scale: float, H: int, obits: int, ogs: int, fold: bool, rows: bool = False, capacity: int = 16,
-             p: Optional[dict] = None) -> kernels.Instance:
+             p: Optional[dict] = None, tokens: int = 1) -> kernels.Instance:
     """norm_dtype: q_norm/k_norm's; norm_in_dtype: the input norm's; scale_dtype / oscale_dtype: the input and output
-    projections' scales and biases; H: the output projection's rows; p: plan()'s, when the caller has it."""
-    M = kernels.row_bucket(B)
+    projections' scales and biases; H: the output projection's rows; p: plan()'s, when the caller has it; tokens:
+    new tokens a row."""
+    M = kernels.row_bucket(B * tokens)
     p = p or plan(M, K, Hq, Hkv, D, bits, H, obits, fold)
     attn = ad.instance(dtype, cache_dtype, norm_dtype, B, Hq, Hkv, D, rope_dims, rope_theta, eps, scale, True,
-                       capacity, rows)
+                       capacity, rows, tokens)
     template = attn.template + (("WARPS", p["WARPS"]), ("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size),
                                 ("M", M), ("K", K), ("LANES", p["qkv"]["LANES"]), ("RPS", p["qkv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)), ("OBITS", obits), ("OGS", ogs),
                                 ("OLANES", p["out"]["LANES"]), ("ORPS", p["out"]["RPS"]))
     PW = Hq * 2 * D + 2 * Hkv * D
-    inputs = ((dtype, (B, 1, K)), (mx.uint32, (PW, K * bits // 32)), (scale_dtype, (PW, K // group_size)),
+    inputs = ((dtype, (B, tokens, K)), (mx.uint32, (PW, K * bits // 32)), (scale_dtype, (PW, K // group_size)),
               (scale_dtype, (PW, K // group_size)), (norm_in_dtype, (K,))) + attn.inputs[1:] + (
         (mx.uint32, (H, Hq * D * obits // 32)), (oscale_dtype, (H, Hq * D // ogs)), (oscale_dtype, (H, Hq * D // ogs)),
-        (dtype, (B, 1, H)), (mx.int32, (kernels.SYNC_SLOTS,)))
+        (dtype, (B, tokens, H)), (mx.int32, (kernels.SYNC_SLOTS,)))
     outputs = attn.output_dtypes[1:] + (dtype,) + (() if fold else (dtype,)) + (dtype,)
     return kernels.Instance(template, inputs, outputs)
 
@@ -112,18 +114,18 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     launch = None
     heads = (kw["n_heads"], kw["n_kv_heads"], kw["rope_dims"], kw["scale"], kw["plane"])
     if unsupported(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, *heads, rows) is None:
-        B, K, (_, Hkv, cap, D), Hq = x.shape[0], x.shape[-1], keys.shape, kw["n_heads"]
-        ns = ad.splits(B, Hkv, cap)
+        (B, L, K), (_, Hkv, cap, D), Hq = x.shape, keys.shape, kw["n_heads"]
+        ns = ad.splits(B * L, Hkv, cap)
         fold = fold and ns <= ad.FOLD_MAX_SPLITS
         w, scales, _, bits, group_size = qkv
         wo, so, _, obits, ogs = o_proj
-        p = plan(kernels.row_bucket(B), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold)
+        p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold)
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
-                        ogs, fold, rows is not None, p=p)
+                        ogs, fold, rows is not None, p=p, tokens=L)
         threads = 32 * p["WARPS"]
         launch = ("attn_chain" if fold else "attn_chain_long", list(inst.template),
-                  (blocks(p, B, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)
+                  (blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)
     _LAUNCH[key] = launch
     return launch
 
@@ -131,12 +133,13 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
 def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, o_proj, residual, *,
                n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
                row_start=None, row_pos=None, fold: bool = True, backend: str, init_value: Optional[float] = None):
-    """A decode token's attention half from the layer's input: x [B, 1, K], norm = (input norm weight [K], eps),
-    qkv = (w, scales, biases, bits, group_size) of the fused projection [q | gate per head, k, v], o_proj the same of
-    the output projection [H, Hq*D], residual [B, 1, H]; the rest as ops.attention_decode takes them. fold: merge the
-    splits inside o_proj where attn_decode.FOLD_MAX_SPLITS allows (switch qmv_attn), else attn_chain_long.
-    -> (k_new, v_new [B, Hkv, 1, D], part_acc, part_ml, proj [B, 1, PW], out [B, 1, Hq*D] (attn_chain_long only),
-    h [B, 1, H] = residual + o_proj(attention)), or None if not applicable."""
+    """Decode tokens' attention half from the layer's input: x [B, T, K] (T new tokens: 1, or a speculative verify's
+    few), norm = (input norm weight [K], eps), qkv = (w, scales, biases, bits, group_size) of the fused projection
+    [q | gate per head, k, v], o_proj the same of the output projection [H, Hq*D], residual [B, T, H]; the rest as
+    ops.attention_decode takes them. fold: merge the splits inside o_proj where attn_decode.FOLD_MAX_SPLITS allows
+    (switch qmv_attn), else attn_chain_long. -> (k_new, v_new [B, Hkv, T, D], part_acc, part_ml [B*T, Hq, NS, .],
+    proj [B, T, PW], out [B, T, Hq*D] (attn_chain_long only), h [B, T, H] = residual + o_proj(attention)), or None
+    if not applicable."""
     if norm is None or qkv is None or o_proj is None or residual is None:
         return None
     rows = None if row_start is None else (row_start, row_pos)
@@ -147,14 +150,14 @@ def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, val
     if launch is None:
         return None
     name, template, grid, group, ns = launch
-    B, (_, Hkv, _, D) = x.shape[0], keys.shape
+    (B, L, _), (_, Hkv, _, D) = x.shape, keys.shape
     Hq, PW = n_heads, qkv[0].shape[0]
     inputs = [x, *qkv[:3], norm[0], q_norm_weight, k_norm_weight, keys, values, offset, ad._plane_array(plane),
               *(rows or (ad._plane_array(0), ad._plane_array(0))), *o_proj[:3], residual, kernels.sync_counters(qkv[0])]
-    shapes = [(B, Hkv, 1, D), (B, Hkv, 1, D), (B, Hq, ns, D), (B, Hq, ns, 2), (B, 1, PW)]
+    shapes = [(B, Hkv, L, D), (B, Hkv, L, D), (B * L, Hq, ns, D), (B * L, Hq, ns, 2), (B, L, PW)]
     dtypes = [keys.dtype, keys.dtype, mx.float32, mx.float32, x.dtype]
     if name == "attn_chain_long":
-        shapes.append((B, 1, Hq * D))
+        shapes.append((B, L, Hq * D))
         dtypes.append(x.dtype)
     shapes.append(residual.shape)
     dtypes.append(x.dtype)
@@ -171,6 +174,8 @@ def _instances(fold: bool) -> list[kernels.Instance]:
     insts += [instance(t, t, t, t, bf16, bf16, B, 96, 8, 32, Hq, Hkv, D, rd, 1e4, 1e-6, 1e-5, D**-0.5, 70, 4, 32, fold,
                        False)
               for B, Hq, Hkv, D, rd in ad.TEST_HEADS for t in (bf16, f32)]
+    insts += [instance(bf16, bf16, bf16, bf16, bf16, bf16, 1, 2048, 4, 64, 16, 2, 256, 64, 1e7, 1e-6, 1e-6, 256**-0.5,
+                       2048, 4, 64, fold, tokens=L) for L in (2, 5)]  # a speculative verify's tokens
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 

@@ -49,9 +49,10 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
     why = qmv.unsupported(x, w, scales, biases, group_size, bits, norm=norm)
     if why:
         return why
-    if x.ndim != 3 or x.shape[1] != 1:
-        return f"x [B, 1, K] expected, got {x.shape}"
-    proj = kernels.Shaped((x.shape[0], 1, w.shape[0]), x.dtype)
+    if x.ndim != 3 or not 1 <= x.shape[1] <= ds.MAX_TOKENS:
+        return f"x [B, T <= {ds.MAX_TOKENS}, K] expected, got {x.shape}"
+    B, L = x.shape[:2]
+    proj = kernels.Shaped((B, L, w.shape[0]), x.dtype)
     why = ds.unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps, mask)
     if why:
         return why
@@ -59,12 +60,12 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
     K = x.shape[-1]
     if out_proj is not None:
         wo, so, bo, obits, ogs = out_proj
-        out = kernels.Shaped((x.shape[0], 1, Hv * Dv), x.dtype)
+        out = kernels.Shaped((B, L, Hv * Dv), x.dtype)
         why = qmv.unsupported(out, wo, so, bo, ogs, obits, residual=residual)
         if why:
             return f"output projection: {why}"
         K = max(K, Hv * Dv)
-    M = kernels.row_bucket(x.shape[0])
+    M = kernels.row_bucket(B * L)
     if shared_bytes(M, K, Dk, Dv, ds.plan(Dk, Dv)["WARPS"], bits) > metal_source.THREADGROUP_BYTES:
         return f"over Metal's {metal_source.THREADGROUP_BYTES} bytes of threadgroup memory"
     return None
@@ -111,7 +112,7 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
         PW, K = w.shape[0], x.shape[-1]
         Hk, Hv, Dk, Dv, _ = ds.split_heads(kernels.Shaped((1, 1, PW), x.dtype), conv_weight, A_log,
                                            norm_weight.shape[0], num_key_heads)
-        M = kernels.row_bucket(x.shape[0])
+        M = kernels.row_bucket(x.shape[0] * x.shape[1])
         out = None if out_proj is None else (out_proj[0].shape[0], out_proj[3], out_proj[4], out_proj[1].dtype)
         p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
@@ -126,11 +127,11 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
 
 def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
          eps: float, mask=None, out_proj=None, residual=None, backend: str, init_value: Optional[float] = None):
-    """One decode token from the layer's input: x [B, 1, K], norm = (input norm weight [K], eps), in_proj = (w, scales,
-    biases, bits, group_size) of the fused projection [qkv | z | b | a]; the rest as deltanet_step takes them.
-    -> (out [B, 1, Hv*Dv], conv state, state, proj [B, 1, PW]), and with out_proj (the output projection [H, Hv*Dv]
-    as in_proj) and residual [B, 1, H] also h = residual + out_proj(out) last (deltanet_chain_out); None if not
-    applicable."""
+    """Decode tokens from the layer's input: x [B, T, K] (T: 1, or a speculative verify's few), norm = (input norm
+    weight [K], eps), in_proj = (w, scales, biases, bits, group_size) of the fused projection [qkv | z | b | a]; the
+    rest as deltanet_step takes them. -> (out [B, T, Hv*Dv], conv state, state, proj [B, T, PW]), and with out_proj
+    (the output projection [H, Hv*Dv] as in_proj) and residual [B, T, H] also h = residual + out_proj(out) last
+    (deltanet_chain_out); None if not applicable."""
     if norm is None or in_proj is None or (out_proj is None) != (residual is None):
         return None
     args = (conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
@@ -143,7 +144,8 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [x, *in_proj[:3], norm[0], conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
               kernels.placeholder(mx.bool_) if mask is None else mask]
-    shapes = [(B, 1, Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk), (B, 1, PW)]
+    L = x.shape[1]
+    shapes = [(B, L, Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk), (B, L, PW)]
     dtypes = [x.dtype, x.dtype, mx.float32, x.dtype]
     name = "deltanet_chain"
     if out_proj is not None:
