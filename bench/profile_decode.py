@@ -2,7 +2,8 @@
 the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone at the model's shapes
 (a chain of independent calls evaluated at once, so each figure includes MLX's per-primitive cost).
 
-    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--no-ops] [--ab-switch NAME] [--json out.json]
+    python -m bench.profile_decode --model PATH [--context 256 4096] [--steps 32] [--no-ops] [--ab-switch NAME]
+        [--verify-tokens 2 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ def step_times(model, context: int, steps: int, vocab: int) -> dict:
     return {"context": context, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "tok_s": 1 / piped,
             "dispatch_ms": 1e3 * statistics.median(dispatch),
             # This thread's CPU time for the same dispatch: what the VM's steal and preemption leave out of the wall figure.
+            "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
+
+
+def verify_times(model, context: int, steps: int, vocab: int, tokens: int) -> dict:
+    """The compiled speculative verify step (lily_mlx.speculative) over `tokens` new tokens: synchronous (each verify
+    waits for the one before, as MTP decoding's accept decision does) and pipelined, in ms, with its dispatch."""
+    from lily_mlx.decode import CompiledVerifier
+
+    cache = prefilled_cache(model, context, vocab)
+    verifier = CompiledVerifier(model, cache, reserve=(2 * steps + 6) * tokens + 8)
+    toks = mx.ones((1, tokens), dtype=mx.int32)
+    for _ in range(3):  # trace and warm up
+        mx.eval(verifier(toks))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(verifier(toks))
+    sync = (time.perf_counter() - t0) / steps
+    dispatch_cpu = []
+    t0 = time.perf_counter()
+    nxt = verifier(toks)
+    mx.async_eval(nxt)
+    for _ in range(steps):
+        cur, c1 = nxt, time.thread_time()
+        nxt = verifier(toks)
+        mx.async_eval(nxt)
+        dispatch_cpu.append(time.thread_time() - c1)
+        mx.eval(cur)
+    mx.eval(nxt)
+    piped = (time.perf_counter() - t0) / (steps + 1)
+    return {"context": context, "tokens": tokens, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped,
             "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
 
 
@@ -227,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ops", action="store_true", help="time the whole step only, not each fused op")
     ap.add_argument("--ab-switch", help="also time the step with this switch on vs off, alternating in one process "
                                         "(a+b: both flipped together)")
+    ap.add_argument("--verify-tokens", type=int, nargs="*", default=[],
+                    help="also time MTP speculative decoding's compiled verify step over this many tokens")
     ap.add_argument("--py-spy", dest="py_spy", type=Path, metavar="PATH.gz",
                     help="also profile the warm decode loop's CPU time with py-spy (native frames), stacks to PATH.gz")
     ap.add_argument("--py-spy-seconds", type=float, default=20.0)
@@ -248,6 +281,12 @@ def main(argv=None) -> int:
         print(f"context {ctx}: step {r['sync_ms']:.2f} ms synchronous, {r['pipelined_ms']:.2f} ms pipelined "
               f"({r['tok_s']:.1f} tok/s), dispatch {r['dispatch_ms']:.2f} ms wall, {r['dispatch_cpu_ms']:.2f} ms thread CPU",
               flush=True)
+        for n in args.verify_tokens:
+            v = verify_times(model, ctx, args.steps, vocab, n)
+            report.setdefault("verify", []).append(v)
+            print(f"  verify step, {n} tokens: {v['sync_ms']:.2f} ms synchronous, {v['pipelined_ms']:.2f} ms pipelined, "
+                  f"dispatch {v['dispatch_cpu_ms']:.2f} ms thread CPU (one token a step: {r['sync_ms']:.2f} ms "
+                  "synchronous)", flush=True)
         if args.ab_switch:
             ab = switch_ab(model, ctx, args.steps, vocab, args.ab_switch)
             report.setdefault("switch_ab", []).append(ab)

@@ -83,6 +83,13 @@ done
 step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on)" \
   env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out python3 -m bench.profile_decode --model "$model" --context 64 4096 \
   --steps 16 --no-ops --ab-switch attn_chain --json "$res/decode_ab_attn_chain.json"
+# MTP speculative decoding: the compiled verify step over 2 and 3 tokens against the one-token step, with the defaults
+# and with every chain (a verify launches what a decode step launches; tests/test_speculative.py counts them).
+step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
+  --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
+step 60 150 "MTP verify step vs decode step (every chain)" env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \
+  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 \
+  --json "$res/decode_verify_chains.json"
 # MLX rebuilds and hashes a CUDA kernel's source on every launch; the chains' sources are 20-23 KB. cuda_source_files
 # (a short #include stub) on vs off with every chain on.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \

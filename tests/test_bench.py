@@ -338,7 +338,8 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert row["moe_parts_ms"]["MoE block whole"] > 0 and row["moe_parts_ms"]["argsort (inverse)"] > 0
     assert row["flipped"]["flash_attn from 0 scores"]["prefill_s"] > 0
     assert decode.main(["--model", model, "--context", "16", "--steps", "2", "--ab-switch", "qmv_attn+dequant_rows",
-                        "--json", str(tmp_path / "d.json")]) == 0
+                        "--verify-tokens", "2", "--json", str(tmp_path / "d.json")]) == 0
     report = json.loads((tmp_path / "d.json").read_text())
     assert report["steps"][0]["tok_s"] > 0 and report["switch_ab"][0]["on_ms"] > 0 and report["ops"]
+    assert report["verify"][0]["tokens"] == 2 and report["verify"][0]["sync_ms"] > 0
     assert report["steps"][0]["dispatch_cpu_ms"] > 0 and report["switch_ab"][0]["dispatch_cpu_on_ms"] > 0

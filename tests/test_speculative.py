@@ -185,3 +185,35 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
         print(f"verify step, {T} tokens{', every chain' if chains else ''}: {totals[T]} primitives")
     assert totals[5] <= totals[1] + 2  # the slice of the last two positions
+
+
+def _on_the_gpu(chains: bool) -> None:
+    """MTP decoding on the GPU's kernels (the verify's tokens through deltanet_step / attn_decode, or every chain)
+    against plain decoding, the embedded 4-bit model in float32: the same 40 greedy tokens, drafts accepted."""
+    from lily_mlx import ops
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.float32)
+    _, tok = lily_mlx.load("embedded")
+    prompt = mx.array(tok.encode(PROMPT))
+    names = ("moe_chain", "deltanet_chain_out", "attn_chain") if chains else ()
+    with ops.disabled():  # restores every switch afterwards
+        for name in names:
+            ops.set_enabled(name, True)
+        before = {n: ops.declined.get(n, 0) for n in ("deltanet_step", "attn_decode", "qmv_attn", *names)}
+        plain = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=40))
+        assert {n: ops.declined.get(n, 0) for n in before} == before, "a kernel declined the verify's tokens"
+    assert [t for t, _, _ in spec] == plain and sum(d for _, _, d in spec) >= 8
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chains", [False, True], ids=["defaults", "all-chains"])
+def test_mtp_matches_plain_decoding_cuda(chains):
+    _on_the_gpu(chains)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("chains", [False, True], ids=["defaults", "all-chains"])
+def test_mtp_matches_plain_decoding_metal(chains):
+    _on_the_gpu(chains)
