@@ -57,6 +57,15 @@ def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty):
         assert sum(d for _, _, d in spec) >= (10 if penalty is None else 5)
 
 
+def test_one_and_two_token_prompts(embedded):
+    """Nothing to prefill (the first forward and draft run on empty caches), or one token: the plain tokens."""
+    model, _ = embedded
+    for ids in ([5], [5, 9]):
+        prompt = mx.array(ids)
+        plain = [t for t, _ in generate_step(prompt, model, max_tokens=12)]
+        assert [t for t, _, _ in speculative.mtp_generate_step(prompt, model, max_tokens=12)] == plain
+
+
 def test_eager_forwards_without_compiled_decode(embedded):
     """With compiled_decode off the verify forwards run eagerly over mlx-lm's caches (rolled back by keeping the
     DeltaNet arrays and trimming the KV caches): the same tokens and cache as the plain decoder's."""
