@@ -13,7 +13,7 @@ than a step).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import mlx.core as mx
 from mlx.utils import tree_flatten

@@ -12,6 +12,10 @@ kept (MLX arrays are immutable: keeping them costs nothing) and put back, the KV
 tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. The
 MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden state at t and
 token t+1; it only ever sees decided tokens, so it never rolls back.
+
+Both run compiled per token count (decode.CompiledVerifier, decode.CompiledDrafter) where the compiled decode step
+applies, and the verify forward takes the decode kernels over its 2-5 tokens (model.DECODE_TOKENS_MAX): as many
+launches as a one-token step.
 """
 
 from __future__ import annotations

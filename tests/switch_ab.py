@@ -63,3 +63,12 @@ def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Option
         return mx.stack(out)
 
     return _rel_err_on_vs_off(switch, run, kernel, calls)
+
+
+def assert_chain_decodes(switch: str, backend_marker: str) -> None:
+    """A chained kernel's model-level GPU check: the embedded 4-bit model in float32, a prompt then 6 one-token steps
+    with `switch` on vs off; the chain runs in every layer it serves (none declined) and the step logits agree."""
+    before = ops.declined.get(switch, 0)
+    err = decode_rel_err(switch, dtype=mx.float32)
+    assert ops.declined.get(switch, 0) == before, f"{switch} declined the embedded model's layers"
+    assert err < 1e-4, f"{backend_marker}: decode logits with {switch}: rel err {err:.2e}"

@@ -20,7 +20,7 @@ from lily_mlx.ops import attn_chain as ac
 from lily_mlx.ops import attn_decode as ad
 from lily_mlx.ops import kernels, reference
 from emulator import GXX, Emulator
-from switch_ab import decode_rel_err
+from switch_ab import assert_chain_decodes
 from test_attn_decode import BF16, F16, F32, TOL, Case, _check, _rel
 
 NAN = float("nan")
@@ -226,20 +226,11 @@ def test_chain_metal(case, K, bits, gs, H, obits, fold):
     _gpu("metal", case, K, bits, gs, H, obits, fold)
 
 
-def _decode_with(backend_marker: str) -> None:
-    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with attn_chain on vs off: the chain runs
-    in every attention layer (none declined) and the step logits agree."""
-    before = ops.declined.get("attn_chain", 0)
-    err = decode_rel_err("attn_chain", dtype=mx.float32)
-    assert ops.declined.get("attn_chain", 0) == before, "attn_chain declined the embedded model's layers"
-    assert err < 1e-4, f"{backend_marker}: decode logits with attn_chain: rel err {err:.2e}"
-
-
 @pytest.mark.cuda
 def test_decode_with_chain_cuda():
-    _decode_with("cuda")
+    assert_chain_decodes("attn_chain", "cuda")
 
 
 @pytest.mark.metal
 def test_decode_with_chain_metal():
-    _decode_with("metal")
+    assert_chain_decodes("attn_chain", "metal")

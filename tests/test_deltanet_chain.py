@@ -17,7 +17,7 @@ from lily_mlx import ops
 from lily_mlx.ops import deltanet_chain as dc
 from lily_mlx.ops import kernels, qmv, reference
 from emulator import GXX, Emulator
-from switch_ab import decode_rel_err
+from switch_ab import assert_chain_decodes
 from test_deltanet_step import BF16, F32, Case, _check_step
 
 NAN = float("nan")
@@ -224,22 +224,13 @@ def test_chain_out_metal(case, K, bits, gs):
     _gpu("metal", case, K, bits, gs, with_out=True)
 
 
-def _decode_with(switch: str, backend_marker: str) -> None:
-    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with the switch on vs off: the chain runs
-    in every DeltaNet layer (none declined) and the step logits agree."""
-    before = ops.declined.get(switch, 0)
-    err = decode_rel_err(switch, dtype=mx.float32)
-    assert ops.declined.get(switch, 0) == before, f"{switch} declined the embedded model's layers"
-    assert err < 1e-4, f"{backend_marker}: decode logits with {switch}: rel err {err:.2e}"
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
 def test_decode_with_chain_cuda(switch):
-    _decode_with(switch, "cuda")
+    assert_chain_decodes(switch, "cuda")
 
 
 @pytest.mark.metal
 @pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
 def test_decode_with_chain_metal(switch):
-    _decode_with(switch, "metal")
+    assert_chain_decodes(switch, "metal")

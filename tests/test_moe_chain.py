@@ -14,7 +14,7 @@ import pytest
 
 import lily_mlx.ops as ops
 from emulator import GXX, Emulator
-from switch_ab import decode_rel_err
+from switch_ab import assert_chain_decodes
 from test_moe_kernels import NAN, ROUTED, _case, _check_down, _check_routed, _gate_up_standin, _id, _router
 from lily_mlx.ops import kernels, moe, moe_chain
 
@@ -163,20 +163,11 @@ def test_chain_metal(case, rbits, rgs):
     _gpu("metal", case, rbits, rgs)
 
 
-def _decode_with_chain(backend_marker: str) -> None:
-    """The embedded 4-bit model in float32, a prompt then 6 one-token steps with moe_chain on vs off: the chain runs
-    (none declined) and the step logits agree."""
-    before = ops.declined.get("moe_chain", 0)
-    err = decode_rel_err("moe_chain", dtype=mx.float32)
-    assert ops.declined.get("moe_chain", 0) == before, "moe_chain declined the embedded model's MoE blocks"
-    assert err < 1e-4, f"{backend_marker}: decode logits with moe_chain: rel err {err:.2e}"
-
-
 @pytest.mark.cuda
 def test_decode_with_chain_cuda():
-    _decode_with_chain("cuda")
+    assert_chain_decodes("moe_chain", "cuda")
 
 
 @pytest.mark.metal
 def test_decode_with_chain_metal():
-    _decode_with_chain("metal")
+    assert_chain_decodes("moe_chain", "metal")

@@ -53,14 +53,10 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
     attn_decode, and Metal's threadgroup memory."""
     if norm is None or qkv is None or o_proj is None or residual is None:
         return "the chained layer needs the input norm, the quantized fused q|k|v and output projections, the residual"
-    w, scales, biases, bits, group_size = qkv
-    why = qmv.unsupported(x, w, scales, biases, group_size, bits, norm=norm)
+    why, proj = qmv.unsupported_chain_input(x, norm, qkv, ad.MAX_TOKENS)
     if why:
         return why
-    if x.ndim != 3 or not 1 <= x.shape[1] <= ad.MAX_TOKENS:
-        return f"x [B, T <= {ad.MAX_TOKENS}, K] expected, got {x.shape}"
-    B, L = x.shape[:2]
-    proj = kernels.Shaped((B, L, w.shape[0]), x.dtype)
+    (B, L, _), bits = proj.shape, qkv[3]
     why = ad.unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
                          scale, plane, rows)
     if why:

@@ -48,7 +48,7 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
     """Why the kernels do not apply to these arguments (None when they do)."""
     if keys.ndim != 4 or values.shape != keys.shape:
         return "keys, values: [P*B, Hkv, capacity, D] of one shape expected"
-    B, (PB, Hkv, cap, D) = proj.shape[0], keys.shape
+    B, (PB, Hkv, _, D) = proj.shape[0], keys.shape
     if B < 1 or PB % B or not 0 <= plane < PB // B:
         return f"keys: {PB} rows are not planes of the {B} rows of proj, or plane {plane} is not among them"
     if rows is not None and any(r.shape != (B,) or r.dtype != mx.int32 for r in rows):

@@ -45,14 +45,10 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
     checks of qmv (normed input; residual output) and deltanet_step."""
     if norm is None or in_proj is None:
         return "the chained step needs the input norm and the quantized fused projection"
-    w, scales, biases, bits, group_size = in_proj
-    why = qmv.unsupported(x, w, scales, biases, group_size, bits, norm=norm)
+    why, proj = qmv.unsupported_chain_input(x, norm, in_proj, ds.MAX_TOKENS)
     if why:
         return why
-    if x.ndim != 3 or not 1 <= x.shape[1] <= ds.MAX_TOKENS:
-        return f"x [B, T <= {ds.MAX_TOKENS}, K] expected, got {x.shape}"
-    B, L = x.shape[:2]
-    proj = kernels.Shaped((B, L, w.shape[0]), x.dtype)
+    (B, L, _), bits = proj.shape, in_proj[3]
     why = ds.unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps, mask)
     if why:
         return why

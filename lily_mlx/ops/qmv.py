@@ -91,6 +91,19 @@ def unsupported(x, w, scales, biases, group_size: int, bits: int, norm=None, res
     return None
 
 
+def unsupported_chain_input(x, norm, proj_weights, max_tokens: int):
+    """(why not, None) or (None, the projection's Shaped [B, T, N]) for a chained kernel's first phase (deltanet_chain,
+    attn_chain): the input norm and a fused projection (w, scales, biases, bits, group_size) over x [B, T, K],
+    T <= max_tokens new tokens a row."""
+    w, scales, biases, bits, group_size = proj_weights
+    why = unsupported(x, w, scales, biases, group_size, bits, norm=norm)
+    if why:
+        return why, None
+    if x.ndim != 3 or not 1 <= x.shape[1] <= max_tokens:
+        return f"x [B, T <= {max_tokens}, K] expected, got {x.shape}", None
+    return None, kernels.Shaped((*x.shape[:2], w.shape[0]), x.dtype)
+
+
 def instance(x_dtype, scale_dtype, M: int, K: int, N: int, bits: int, group_size: int, norm_dtype=None,
              res: bool = False, eps: float = 0.0) -> kernels.Instance:
     """norm_dtype: the RMSNorm weight's dtype when x is normalised first (None: no norm)."""
