@@ -90,6 +90,13 @@ step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile
 step 60 150 "MTP verify step vs decode step (every chain)" env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \
   python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 \
   --json "$res/decode_verify_chains.json"
+# MTP end to end at a set acceptance (the random model's head is untrained: bench.mtp swaps in the plain decoder's
+# own token after the head has run), against plain greedy decoding in the same process; with every chain too.
+step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults)" python3 -m bench.mtp --model "$model" \
+  --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp.json"
+step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.mtp --model "$model" \
+  --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
 # MLX rebuilds and hashes a CUDA kernel's source on every launch; the chains' sources are 20-23 KB. cuda_source_files
 # (a short #include stub) on vs off with every chain on.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \
@@ -97,7 +104,7 @@ step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
-# (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 19.5 GB
+# (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 20 GB
 # model loads once (about 25 s a load), every configuration timed in interleaved rounds; the report is rewritten
 # after every length.
 step 60 ${PREFILL_CAP:-300} "prefill by length, defaults vs ${PREFILL_VARIANTS:-each switch flipped, 4M dense threshold; sweeps}" \

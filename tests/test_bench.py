@@ -104,8 +104,10 @@ def test_random_model_is_deterministic_from_the_seed(tmp_path, tiny_bf16):
 
 
 def test_full_size_shapes():
-    mb = random_model.checkpoint_bytes(random_model.text_config("35b-a3b")) / 1e9
-    assert 19.3 < mb < 19.7  # the released 4-bit file is about 19.5 GB
+    gb = random_model.checkpoint_bytes(random_model.text_config("35b-a3b", {"mtp_num_hidden_layers": 0})) / 1e9
+    assert 19.3 < gb < 19.7  # the released 4-bit MLX file (mlx-lm's conversion drops mtp.*) is about 19.5 GB
+    with_mtp = random_model.checkpoint_bytes(random_model.text_config("35b-a3b")) / 1e9  # one MTP layer by default
+    assert 0.4 < with_mtp - gb < 0.6
 
 
 def _bench(tmp_path, *extra):
@@ -343,3 +345,17 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert report["steps"][0]["tok_s"] > 0 and report["switch_ab"][0]["on_ms"] > 0 and report["ops"]
     assert report["verify"][0]["tokens"] == 2 and report["verify"][0]["sync_ms"] > 0
     assert report["steps"][0]["dispatch_cpu_ms"] > 0 and report["switch_ab"][0]["dispatch_cpu_on_ms"] > 0
+
+
+def test_mtp_bench_sets_the_acceptance(tmp_path):
+    """bench.mtp on a tiny random model with an (untrained) MTP head: every arm's tokens are plain greedy decoding's;
+    acceptance 1 confirms about every other token, the head's own drafts almost none; a model without the head is
+    refused in one line."""
+    mtp = importlib.import_module(bench.__name__ + ".mtp")
+    path = random_model.ensure("random:tiny,mtp_num_hidden_layers=1", tmp_path / "m", progress=False)
+    assert mtp.main(["--model", str(path), "--prompt-tokens", "8", "--tokens", "12", "--accept", "1", "0", "real",
+                     "--rounds", "1", "--json", str(tmp_path / "mtp.json")]) == 0
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "mtp.json").read_text())["rows"]}
+    assert all(r["same_tokens"] and r["tok_s"] > 0 for r in rows.values())
+    assert rows["1"]["draft_share"] > 0.35 and rows["0"]["draft_share"] == 0 and rows["plain"]["draft_share"] == 0
+    assert mtp.main(["--model", str(random_model.ensure("random:tiny", tmp_path / "plain", progress=False))]) == 2
