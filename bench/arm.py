@@ -100,6 +100,7 @@ def load(engine: str, path: str, dtype: Optional[str] = None):
         import lily_mlx
 
         model, tokenizer = lily_mlx.load(path)
+        model.pop("mtp", None)  # stock mlx-lm drops the MTP head on load: both arms hold the same weights
     if dtype is not None:
         import mlx.core as mx
 
