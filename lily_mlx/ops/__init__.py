@@ -345,7 +345,7 @@ def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_wei
                          eps: float, mask=None, lengths=None, source=None):
     """deltanet_mix for decode tokens (T = 1, or a few after a cache: a speculative verify): one fused launch where
     the kernel applies, else the same composition. Right-padded batches (lengths) always take the composition. proj:
-    the fused projection [B, T, qkv | z | b | a], or a function returning it; source = (x [B, 1, K], (input norm
+    the fused projection [B, T, qkv | z | b | a], or a function returning it; source = (x [B, T, K], (input norm
     weight, eps), (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute
     proj in the same launch, and a function given for proj is then not called."""
     if lengths is None and source is not None and enabled("deltanet_step") and enabled("qmv"):
@@ -365,8 +365,8 @@ def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_wei
 
 def deltanet_decode_add(x, norm, in_proj, out_proj, residual, conv_weight, conv_state, A_log, dt_bias, norm_weight,
                         state, *, num_key_heads: int, eps: float, mask=None):
-    """residual + out_proj(the DeltaNet step of x) for one token, the layer's whole mixer half in one launch
-    (deltanet_chain_out): (h [B, 1, H], conv state, state), or None where that does not apply (the caller runs
+    """residual + out_proj(the DeltaNet step of x) for decode tokens, the layer's whole mixer half in one launch
+    (deltanet_chain_out): (h [B, T, H], conv state, state), or None where that does not apply (the caller runs
     deltanet_decode_step and its output projection). norm = (weight, eps); in_proj, out_proj = (w, scales, biases,
     bits, group_size) of the fused input projection and of the output projection."""
     if not (enabled("deltanet_step") and enabled("qmv")):
@@ -426,9 +426,9 @@ def attention_decode_add(proj, q_norm_weight, k_norm_weight, eps: float, keys, v
                          n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float,
                          group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None, source=None):
     """residual + o_proj(attention_decode(...)): a decode token's attention through its quantized output projection,
-    o_proj = (w [N, Hq*D*bits/32], scales, biases [N, Hq*D/group]), and the residual add. Returns (h [B, 1, N], k_new,
+    o_proj = (w [N, Hq*D*bits/32], scales, biases [N, Hq*D/group]), and the residual add. Returns (h [B, T, N], k_new,
     v_new). With switch qmv_attn, a split cache's merge happens inside the projection (one launch fewer). proj: the
-    fused projection, or a function returning it; source = (x [B, 1, K], (input norm weight, eps), (w, scales,
+    fused projection, or a function returning it; source = (x [B, T, K], (input norm weight, eps), (w, scales,
     biases, bits, group_size) of the quantized projection) lets attn_chain run the whole layer half in one launch,
     and a function given for proj is then not called."""
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
