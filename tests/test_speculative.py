@@ -66,6 +66,22 @@ def test_one_and_two_token_prompts(embedded):
         assert [t for t, _, _ in speculative.mtp_generate_step(prompt, model, max_tokens=12)] == plain
 
 
+def test_unbounded_generation_closed_early(embedded):
+    """max_tokens=-1 past the compiled steps' first capacity (256 positions: both grow), the generator closed by its
+    consumer: the plain tokens, and the caller's cache holds exactly the prompt and the yielded tokens."""
+    import itertools
+
+    model, _ = embedded
+    prompt = mx.array([5, 9, 33, 7])
+    caches, runs = (model.make_cache(), model.make_cache()), []
+    for steps, cache in zip((generate_step, speculative.mtp_generate_step), caches):
+        gen = steps(prompt, model, max_tokens=-1, prompt_cache=cache)
+        runs.append([item[0] for item in itertools.islice(gen, 290)])
+        gen.close()
+    assert runs[0] == runs[1]
+    _caches_equal(*caches)
+
+
 def test_eager_forwards_without_compiled_decode(embedded):
     """With compiled_decode off the verify forwards run eagerly over mlx-lm's caches (rolled back by keeping the
     DeltaNet arrays and trimming the KV caches): the same tokens and cache as the plain decoder's."""
