@@ -15,12 +15,12 @@ import pytest
 import lily_mlx.ops as ops
 from emulator import GXX, Emulator
 from switch_ab import assert_chain_decodes
-from test_moe_kernels import NAN, ROUTED, _case, _check_down, _check_routed, _gate_up_standin, _id, _router
+from test_moe_kernels import (NAN, ROUTED, ROUTED_MODEL, _case, _check_down, _check_routed, _gate_up_standin, _id, _router,
+                              routed_id)
 from lily_mlx.ops import kernels, moe, moe_chain
 
 # (case with the norm on: the chained block always stages the post-attention norm, router bits, router group).
 CHAIN = [(c[:10] + (True,), rbits, rgs) for c, rbits, rgs in ROUTED]
-MODEL = [((M, 8, 256, 2048, 512, 512, 64, 4, dt, None, True), 8, 64) for M, dt in ((1, mx.bfloat16), (3, mx.float32))]
 
 
 def _args(a, router):
@@ -152,13 +152,13 @@ def _gpu(backend, c, rbits, rgs):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case,rbits,rgs", CHAIN + MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("case,rbits,rgs", CHAIN + ROUTED_MODEL, ids=routed_id)
 def test_chain_cuda(case, rbits, rgs):
     _gpu("cuda", case, rbits, rgs)
 
 
 @pytest.mark.metal
-@pytest.mark.parametrize("case,rbits,rgs", CHAIN + MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("case,rbits,rgs", CHAIN + ROUTED_MODEL, ids=routed_id)
 def test_chain_metal(case, rbits, rgs):
     _gpu("metal", case, rbits, rgs)
 

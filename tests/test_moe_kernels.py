@@ -683,14 +683,19 @@ def _gpu_routed(backend, c, rbits, rgs):
 ROUTED_MODEL = [((M, 8, 256, 2048, 512, 512, 64, 4, dt, None, True), 8, 64) for M, dt in ((1, mx.bfloat16), (3, mx.float32))]
 
 
+def routed_id(v) -> str:
+    """pytest id of a (case, router bits, router group) parameter: the case's _id, the bits and group as they are."""
+    return _id(v) if isinstance(v, tuple) else str(v)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=routed_id)
 def test_routed_gate_up_cuda(case, rbits, rgs):
     _gpu_routed("cuda", case, rbits, rgs)
 
 
 @pytest.mark.metal
-@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=lambda v: _id(v) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("case,rbits,rgs", ROUTED + ROUTED_MODEL, ids=routed_id)
 def test_routed_gate_up_metal(case, rbits, rgs):
     _gpu_routed("metal", case, rbits, rgs)
 
