@@ -304,9 +304,10 @@ def _last_logits(model, tokens, cache) -> tuple[mx.array]:
     return (model(tokens, cache=cache)[:, -1, :],)
 
 
-def _last_two(model, tokens, cache) -> tuple[mx.array, mx.array]:
-    """A speculative verify's output: the last two positions' final-norm hidden states [B, min(T, 2), H] (the MTP
-    head's input) and their logits."""
+def verify_outputs(model, tokens, cache) -> tuple[mx.array, mx.array]:
+    """A speculative verify's output (CompiledVerifier's, and speculative's eager forward): the model over tokens
+    [B, T] after `cache`, the last two positions' final-norm hidden states [B, min(T, 2), H] (the MTP head's input)
+    and their logits."""
     lm = model.language_model
     hidden = lm.model(tokens, cache=cache)[:, -2:]
     return hidden, lm.logits(hidden)
@@ -349,9 +350,7 @@ def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
     offset = offset1.reshape(())
     kv, _ = _unflatten(flat, len(kv_index), 0)
     shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
-    h = model.mtp_hidden(hidden, next_tokens, shims)[:, -1]
-    draft = mx.argmax(model.language_model.logits(h), axis=-1).astype(mx.int32)
-    return (draft, *_flatten([(s.keys, s.values) for s in shims], []))
+    return (model.mtp_draft(hidden, next_tokens, shims), *_flatten([(s.keys, s.values) for s in shims], []))
 
 
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
@@ -403,7 +402,7 @@ def _step_function(kind: str) -> Callable:
         return _draft_step
     if kind.endswith("verify"):
         step = _stacked_step if kind == "stacked_verify" else _decode_step
-        return lambda *args: step(*args, head=_last_two)
+        return lambda *args: step(*args, head=verify_outputs)
     return {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}[kind]
 
 

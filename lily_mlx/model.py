@@ -436,6 +436,12 @@ class Model(nn.Module):
         """Logits [B, L, V] for token t+2 (see mtp_hidden)."""
         return self.language_model.logits(self.mtp_hidden(hidden, next_tokens, cache))
 
+    def mtp_draft(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
+        """The MTP head's greedy draft [B] int32 for the token after the last of next_tokens (see mtp_hidden): the
+        lm_head scores the last position only."""
+        h = self.mtp_hidden(hidden, next_tokens, cache)[:, -1]
+        return mx.argmax(self.language_model.logits(h), axis=-1).astype(mx.int32)
+
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:
         """DeltaNet layers: [conv state, recurrent state]; attention layers: a KV cache, a rotating
         window of `max_kv_size` (keeping the first 4 tokens, as mlx-lm does) when given."""

@@ -27,7 +27,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from .decode import STEP, CompiledDrafter, CompiledVerifier
+from .decode import STEP, CompiledDrafter, CompiledVerifier, verify_outputs
 from .memory import bounded_prefill
 
 # Pending tokens (after rejections in a row) past which they are absorbed by a forward of their own, so a run of
@@ -57,12 +57,11 @@ class _Eager:
     DeltaNet [conv state, state] arrays and trimming the KV caches."""
 
     def __init__(self, model, cache: List[Any]):
-        self.lm, self.cache = model.language_model, cache
+        self.model, self.cache = model, cache
 
     def __call__(self, tokens: mx.array) -> Tuple[mx.array, mx.array]:
         """tokens [1, T] -> the last two positions' final-norm hidden states [1, min(T, 2), H] and logits."""
-        hidden = self.lm.model(tokens, cache=self.cache)[:, -2:]
-        return hidden, self.lm.logits(hidden)
+        return verify_outputs(self.model, tokens, self.cache)
 
     def snapshot(self) -> list:
         return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in self.cache]
@@ -125,8 +124,7 @@ def mtp_generate_step(
         and its argmax for the token after the last, [1] int32, lazy."""
         if drafter is not None:
             return drafter(hidden, next_tokens[None])
-        h = model.mtp_hidden(hidden, next_tokens[None], mtp_cache)[:, -1]
-        return mx.argmax(lm.logits(h), axis=-1).astype(mx.int32)
+        return model.mtp_draft(hidden, next_tokens[None], mtp_cache)
 
     with mx.stream(stream):
         done = 0
