@@ -33,38 +33,49 @@ def prefilled_cache(model, context: int, vocab: int) -> list:
     return cache
 
 
-def step_times(model, context: int, steps: int, vocab: int) -> dict:
-    from lily_mlx.decode import CompiledDecoder
-
-    cache = prefilled_cache(model, context, vocab)
-    dec = CompiledDecoder(model, cache, reserve=steps * 3 + 8)
-    tok = mx.array([[1]])
-    for _ in range(3):  # trace and warm up
-        tok = mx.argmax(dec(tok), axis=-1)[:, None]
-        mx.eval(tok)
+def timed_steps(step, steps: int) -> dict:
+    """step() -> one step's outputs, lazy, each step fed the one before's: 3 warm-up steps (the trace), then ms a step
+    synchronous and pipelined (as generate_step: the next step dispatched before waiting on this one), with the
+    dispatch's median wall and thread CPU time."""
+    for _ in range(3):
+        mx.eval(step())
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = mx.argmax(dec(tok), axis=-1)[:, None]
-        mx.eval(tok)
+        mx.eval(step())
     sync = (time.perf_counter() - t0) / steps
     dispatch, dispatch_cpu = [], []
     t0 = time.perf_counter()
-    nxt = mx.argmax(dec(tok), axis=-1)[:, None]
+    nxt = step()
     mx.async_eval(nxt)
-    for _ in range(steps):  # as generate_step: the next step is dispatched before waiting on this one
+    for _ in range(steps):
         cur = nxt
         t1, c1 = time.perf_counter(), time.thread_time()
-        nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+        nxt = step()
         mx.async_eval(nxt)
         dispatch.append(time.perf_counter() - t1)
         dispatch_cpu.append(time.thread_time() - c1)
         mx.eval(cur)
     mx.eval(nxt)
     piped = (time.perf_counter() - t0) / (steps + 1)
-    return {"context": context, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "tok_s": 1 / piped,
-            "dispatch_ms": 1e3 * statistics.median(dispatch),
+    return {"sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped, "dispatch_ms": 1e3 * statistics.median(dispatch),
             # This thread's CPU time for the same dispatch: what the VM's steal and preemption leave out of the wall figure.
             "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
+
+
+def step_times(model, context: int, steps: int, vocab: int) -> dict:
+    from lily_mlx.decode import CompiledDecoder
+
+    cache = prefilled_cache(model, context, vocab)
+    dec = CompiledDecoder(model, cache, reserve=steps * 3 + 8)
+    tok = mx.array([[1]])
+
+    def step():
+        nonlocal tok
+        tok = mx.argmax(dec(tok), axis=-1)[:, None]
+        return tok
+
+    t = timed_steps(step, steps)
+    return {"context": context, **t, "tok_s": 1e3 / t["pipelined_ms"]}
 
 
 def verify_times(model, context: int, steps: int, vocab: int, tokens: int) -> dict:
@@ -75,26 +86,7 @@ def verify_times(model, context: int, steps: int, vocab: int, tokens: int) -> di
     cache = prefilled_cache(model, context, vocab)
     verifier = CompiledVerifier(model, cache, reserve=(2 * steps + 6) * tokens + 8)
     toks = mx.ones((1, tokens), dtype=mx.int32)
-    for _ in range(3):  # trace and warm up
-        mx.eval(verifier(toks))
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        mx.eval(verifier(toks))
-    sync = (time.perf_counter() - t0) / steps
-    dispatch_cpu = []
-    t0 = time.perf_counter()
-    nxt = verifier(toks)
-    mx.async_eval(nxt)
-    for _ in range(steps):
-        cur, c1 = nxt, time.thread_time()
-        nxt = verifier(toks)
-        mx.async_eval(nxt)
-        dispatch_cpu.append(time.thread_time() - c1)
-        mx.eval(cur)
-    mx.eval(nxt)
-    piped = (time.perf_counter() - t0) / (steps + 1)
-    return {"context": context, "tokens": tokens, "sync_ms": 1e3 * sync, "pipelined_ms": 1e3 * piped,
-            "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
+    return {"context": context, "tokens": tokens, **timed_steps(lambda: verifier(toks), steps)}
 
 
 def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: int = 7) -> dict:
