@@ -7,7 +7,7 @@
 # Output: log.txt (every step's output) and reports.tgz (the JSON reports, the junit file, the decode profile).
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
-# SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
+# TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
 set -uo pipefail
@@ -45,7 +45,7 @@ model=${MODEL:-/tmp/r35}
 done) 2>/dev/null
 if [ -n "${TESTS:-}" ]; then
   echo "tests: $TESTS"
-  step 90 200 "tests on the GPU" python3 -m pytest -q -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
+  step 90 ${TESTS_CAP:-200} "tests on the GPU" python3 -m pytest -q -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
 else
   # The whole cuda-marked suite took longer than 185 s in run 14 (77% done): most of it is compiling instances.
   step 150 300 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" \
