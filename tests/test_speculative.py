@@ -13,6 +13,7 @@ from lily_mlx import speculative
 from lily_mlx.decode import CompiledDrafter, CompiledVerifier
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.generation import generate_step, stream_generate
+from lily_mlx.model import DECODE_TOKENS_MAX
 
 PROMPT = "def read_config(path):\n    \"\"\"Return the settings"
 
@@ -220,7 +221,8 @@ def _on_the_gpu(chains: bool) -> None:
 
     model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.float32)
     _, tok = lily_mlx.load("embedded")
-    prompt = mx.array(tok.encode(PROMPT))
+    # At most DECODE_TOKENS_MAX prompt tokens, so that the prefill's MoE blocks take moe_chain too (it declines more).
+    prompt = mx.array(tok.encode(PROMPT))[:DECODE_TOKENS_MAX]
     names = ("moe_chain", "deltanet_chain_out", "attn_chain") if chains else ()
     with ops.disabled():  # restores every switch afterwards
         for name in names:

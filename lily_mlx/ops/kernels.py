@@ -360,6 +360,9 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
         raise ValueError(f"kernel {name!r}: template arguments {[n for n, _ in template]} != declared {spec.template_params}")
     if len(inputs) != len(spec.input_names):
         raise ValueError(f"kernel {name!r}: {len(inputs)} inputs given, expected {spec.input_names}")
+    if spec.cuda_launch_bounds and threadgroup[0] * threadgroup[1] * threadgroup[2] > spec.cuda_launch_bounds[0]:
+        raise ValueError(f"kernel {name!r}: a block of {threadgroup} threads, over its launch bound "
+                         f"{spec.cuda_launch_bounds[0]}")
     from . import enabled
 
     kwargs = {} if init_value is None else {"init_value": init_value}
