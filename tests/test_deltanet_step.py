@@ -355,3 +355,20 @@ def test_plan_fits(Dk, Dv):
     p = ds.plan(Dk, Dv)
     assert 1 <= p["WARPS"] <= 16 and p["RB"] * math.ceil(Dk / 32) <= ds.STATE_REGS  # Metal: <= 1024 threads
     assert p["RB"] <= math.ceil(Dv / p["WARPS"])
+
+
+def test_blocks_stay_within_the_cuda_launch_bound():
+    """Every planned block fits the bound ptxas compiles for (H200 run 32: unbounded, Dk 32 x Dv 256 in float32 used
+    158 registers at 512 threads and failed at launch), and a launch over it is refused before MLX sees it."""
+    from lily_mlx.ops import kernels
+
+    bound = ds.SPEC.cuda_launch_bounds[0]
+    for _, _, Dk, Dv in ds.MODEL_HEADS + ds.TEST_HEADS + ((1, 1, 512, 1024),):
+        assert 32 * ds.plan(Dk, Dv)["WARPS"] <= bound
+    assert f"__launch_bounds__({bound}, 2)" in kernels.spec_header(ds.SPEC, "cuda", "")
+    case = Case(1, 2, 4, 32, 48)
+    inst = ds.instance(F32, F32, F32, F32, F32, 1, 2, 4, 32, 48, 4, False, 1e-6)
+    inputs = [mx.zeros(s, dtype=d) for d, s in inst.inputs]
+    with pytest.raises(ValueError, match="over its launch bound"):
+        kernels.call("deltanet_step", "cuda", inputs, list(inst.template), (2 * bound, 1, 1), (2 * bound, 1, 1),
+                     [(1, 1, case.Hv * case.Dv)], [F32], None)

@@ -20,8 +20,8 @@ MAX_HEAD_DIM = 256  # Dk, Dv: the state rows a warp holds in registers are sized
 MAX_CONV_WIDTH = 8
 MAX_TOKENS = 8  # tokens a row: each block runs them in turn (model.DECODE_TOKENS_MAX)
 STATE_REGS = 64  # floats of state one lane holds per pass over its rows
-# The block's warps at most: its CUDA launch bound, so that ptxas keeps a lane's registers within the SM's 64K at 512
-# threads (Dk 32 x Dv 256 in float32 wanted 158; H200 run 32: "too many resources requested for launch").
+# The block's warps at most. The CUDA launch bound is 2 such blocks an SM (64 registers, what the 35B instance used
+# unbounded): unbounded, Dk 32 x Dv 256 in float32 took 158 and failed at launch (H200 run 32).
 MAX_WARPS = 16
 
 SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS")
@@ -157,7 +157,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     input_names=("proj", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
     output_names=("out", "conv_state_out", "state_out"), template_params=SPEC_PARAMS,
     description="Gated DeltaNet decode step (conv, norms, gates, state update, gated RMSNorm) in one launch",
-    instances=_instances, cuda_launch_bounds=(32 * MAX_WARPS,),
+    instances=_instances, cuda_launch_bounds=(32 * MAX_WARPS, 2),
 ))
 
 
