@@ -7,6 +7,8 @@
 
 The script prefills twice (the first compiles every kernel); the summary keeps the second half of the launches.
 It also prints how the routed rows fall on the experts in each layer (the row tiles each body would run).
+With `--decode-steps S` it then runs S compiled decode steps after the prompt, twice (`--tokens` is the context), and
+`--summarize raw.csv --decode` keeps the second half of the launches after the prefill's last.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def prefill(model_path: str, tokens: int, layers: int) -> None:
+def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) -> None:
     import mlx.core as mx
     import numpy as np
 
@@ -47,6 +49,17 @@ def prefill(model_path: str, tokens: int, layers: int) -> None:
     for _ in range(2):
         cache = model.make_cache()
         mx.eval(model(prompt, cache=cache), [c.state for c in cache])
+    if decode_steps:
+        from lily_mlx.decode import CompiledDecoder
+
+        for _ in range(2):
+            cache = model.make_cache()
+            mx.eval(model(prompt, cache=cache), [c.state for c in cache])
+            decoder, y = CompiledDecoder(model, cache), prompt[:, -1:]
+            for _ in range(decode_steps):
+                y = mx.argmax(decoder(y), axis=-1)[:, None]
+                mx.eval(y)
+        return
     for i, counts in enumerate(splits[len(splits) // 2:]):
         tiles = {bm: int(np.sum(-(-counts // bm))) for bm in (16, 32, 64)}
         print(f"layer {i}: {counts.sum()} rows, {np.count_nonzero(counts)} experts, max {counts.max()}, "
@@ -60,13 +73,18 @@ def short(name: str) -> str:
     return m.group(1) if m else name[:70]
 
 
-def summarize(path: str) -> None:
+PREFILL_ONLY = re.compile(r"deltanet_chunk|deltanet_intra|deltanet_prep|flash_attn|moe_gemm|moe_sort")
+
+
+def summarize(path: str, decode: bool = False) -> None:
     launches = defaultdict(dict)  # ID -> metric -> value, and the kernel's name
     for row in csv.DictReader(io.StringIO("".join(l for l in open(path) if l.startswith('"')))):
         launch = launches[int(row["ID"])]
         launch["name"] = row["Kernel Name"]
         launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
     ids = sorted(launches)
+    if decode:  # the second run's decode steps: after its prefill's last launch
+        ids = ids[max(i for i, n in enumerate(ids) if PREFILL_ONLY.search(launches[n]["name"])) + 1:]
     second = ids[len(ids) // 2:]
     by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for i in second:
@@ -88,12 +106,14 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--decode-steps", type=int, default=0)
     ap.add_argument("--summarize", metavar="CSV")
+    ap.add_argument("--decode", action="store_true", help="summarize the decode steps after the last prefill")
     args = ap.parse_args()
     if args.summarize:
-        summarize(args.summarize)
+        summarize(args.summarize, args.decode)
     else:
-        prefill(args.model, args.tokens, args.layers)
+        prefill(args.model, args.tokens, args.layers, args.decode_steps)
     return 0
 
 
