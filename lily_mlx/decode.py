@@ -214,7 +214,8 @@ class CompiledVerifier(CompiledDecoder):
 class CompiledDrafter:
     """The MTP head's drafts (lily_mlx.speculative) compiled per position count, over its own fixed-capacity KV cache
     made from `mtp_cache` (mlx-lm KVCaches holding tokens): `drafter(hidden [B, L, H], next_tokens [B, L]) -> the
-    argmax draft for the token after the last [B] int32`, its cache grown by L."""
+    argmax draft for the token after the last [B] int32`, its cache grown by L. `snapshot()` / `restore()` undo a
+    draft queued ahead: the length (rows past it are never read)."""
 
     def __init__(self, model, mtp_cache: List[Any], reserve: int = STEP):
         self.offset = mtp_cache[0].offset
@@ -233,6 +234,12 @@ class CompiledDrafter:
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         self.offset += L
         return out[0]
+
+    def snapshot(self) -> int:
+        return self.offset
+
+    def restore(self, snapshot: int) -> None:
+        self.offset = snapshot
 
 
 class CompiledBatchDecoder:

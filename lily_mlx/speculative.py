@@ -11,7 +11,11 @@ A rejected draft has already entered the DeltaNet states and the KV caches. The 
 kept (MLX arrays are immutable: keeping them costs nothing) and put back, the KV caches trimmed back, and the pending
 tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. The
 MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden state at t and
-token t+1; it only ever sees decided tokens, so it never rolls back.
+token t+1.
+
+The host does not wait with the GPU idle: while it waits for a forward's samples, the next draft and forward are
+already queued as if the draft stood (the plain decoder's pipelining, one forward ahead). A rejection undoes both
+(the main model's state as above, the head's cache by its length) before the pending tokens go again.
 
 Both run compiled per token count (decode.CompiledVerifier, decode.CompiledDrafter) where the compiled decode step
 applies, and the verify forward takes the decode kernels over its 2-5 tokens (model.DECODE_TOKENS_MAX): as many
@@ -20,7 +24,7 @@ launches as a one-token step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator, List, Optional, Tuple
+from typing import Any, Callable, Generator, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -77,6 +81,38 @@ class _Eager:
         pass
 
 
+class _EagerDrafter:
+    """The MTP head over mlx-lm KVCaches, eagerly (CompiledDrafter's interface), until the compiled draft applies."""
+
+    def __init__(self, model, mtp_cache: List[Any]):
+        self.model, self.cache = model, mtp_cache
+
+    def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
+        return self.model.mtp_draft(hidden, next_tokens, self.cache)
+
+    def snapshot(self) -> list:
+        return [c.offset for c in self.cache]
+
+    def restore(self, snapshot: list) -> None:
+        for c, saved in zip(self.cache, snapshot):
+            c.trim(c.offset - saved)
+
+
+class _Forward(NamedTuple):
+    """One verify forward in flight: the state before it, the tokens it was given (pending: known ids, or None while
+    they are another forward's lazy samples), its draft d [1], the samples at the draft's position (s1) and after it
+    (s2) with their log-probabilities, and its last two positions' hidden states."""
+
+    before: Any
+    pending: Optional[List[int]]
+    d: mx.array
+    s1: mx.array
+    lp1: mx.array
+    s2: mx.array
+    lp2: mx.array
+    hidden: mx.array
+
+
 def mtp_generate_step(
     prompt: mx.array,
     model,
@@ -117,14 +153,15 @@ def mtp_generate_step(
     def history(*extra: mx.array) -> Optional[mx.array]:
         return mx.concatenate([mx.array(ids, dtype=mx.int32), *extra]) if logits_processors else None
 
-    drafter = None  # the compiled draft, once the MTP head's cache holds a token
-
-    def draft(hidden: mx.array, next_tokens: mx.array) -> mx.array:
-        """The MTP head at positions t (hidden [1, L, H]) with tokens t+1 (next_tokens [L]): its cache grows by L,
-        and its argmax for the token after the last, [1] int32, lazy."""
-        if drafter is not None:
-            return drafter(hidden, next_tokens[None])
-        return model.mtp_draft(hidden, next_tokens[None], mtp_cache)
+    def forward(tokens: mx.array, pending: Optional[List[int]], d: mx.array, *assumed: mx.array) -> _Forward:
+        """Queues the verify forward of tokens [P] (pending ids, or the lazy sample they will be) and draft d [1];
+        `assumed`: the lazy tokens decided before `tokens` that ids does not hold yet."""
+        before = main.snapshot()
+        hidden, logits = main(mx.concatenate([tokens, d])[None])
+        s1, lp1 = sample(logits[0, -2], history(*assumed))
+        s2, lp2 = sample(logits[0, -1], history(*assumed, d))
+        mx.async_eval(d, s1, s2, lp1, lp2)
+        return _Forward(before, pending, d, s1, lp1, s2, lp2, hidden)
 
     with mx.stream(stream):
         done = 0
@@ -139,28 +176,26 @@ def mtp_generate_step(
                 progress(done, n_prompt)
                 mx.clear_cache()
 
-        main = _Eager(model, cache)
+        main, drafter = _Eager(model, cache), _EagerDrafter(model, mtp_cache)
         hidden, logits = main(prompt[None, -1:])
         token, logprobs = sample(logits[0, -1], history())
-        d = draft(hidden, token)
+        d = drafter(hidden, token[None])
         mx.eval(token)
         progress(n_prompt, n_prompt)
         if CompiledVerifier.applicable(model, cache):  # compiled steps per token count from here on
-            reserve = max_tokens + max_pending + 2 if max_tokens > 0 else STEP
+            reserve = max_tokens + 2 * max_pending + 4 if max_tokens > 0 else STEP
             main, drafter = CompiledVerifier(model, cache, reserve), CompiledDrafter(model, mtp_cache, reserve)
         ids.append(token.item())
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
-        pending = ids[-1:]
-        inflight = None  # the state before the verify forward in flight
+        oldest = forward(mx.array(ids[-1:], dtype=mx.int32), ids[-1:], d)  # the oldest forward not yet decided
         yielded = since_clear = 0
         try:
             while True:
-                # The next forward is queued before the host hands out the tokens decided by the last one.
-                inflight = main.snapshot()
-                hidden, logits = main(mx.concatenate([mx.array(pending, dtype=mx.int32), d])[None])
-                s1, lp1 = sample(logits[0, -2], history())
-                s2, lp2 = sample(logits[0, -1], history(d))
-                mx.async_eval(d, s1, s2, lp1, lp2)
+                # The next forward is queued, as if oldest's draft stood, before the host waits on oldest's samples
+                # and hands out the tokens decided before.
+                drafted = drafter.snapshot()
+                d = drafter(oldest.hidden, mx.concatenate([oldest.d, oldest.s2])[None])
+                ahead = forward(oldest.s2, None, d, oldest.d, oldest.s2)
                 for item in ready:
                     if yielded == max_tokens:
                         return
@@ -168,30 +203,31 @@ def mtp_generate_step(
                     yielded += 1
                 if yielded == max_tokens:
                     return
-                d_id, s1_id = d.item(), s1.item()
+                d_id, s1_id = oldest.d.item(), oldest.s1.item()
                 if s1_id == d_id:
-                    s2_id = s2.item()
+                    s2_id = oldest.s2.item()
                     ids += [d_id, s2_id]
-                    ready = [(d_id, lp1, True), (s2_id, lp2, False)]
-                    d, pending = draft(hidden, mx.concatenate([d, s2])), [s2_id]
-                else:
-                    main.restore(inflight)
+                    ready = [(d_id, oldest.lp1, True), (s2_id, oldest.lp2, False)]
+                    oldest = ahead._replace(pending=[s2_id])
+                else:  # both forwards and the draft after oldest are undone; its pending tokens go again
+                    main.restore(oldest.before)
+                    drafter.restore(drafted)
                     ids.append(s1_id)
-                    ready = [(s1_id, lp1, False)]
-                    d, pending = draft(hidden[:, :1], s1), pending + [s1_id]
+                    ready = [(s1_id, oldest.lp1, False)]
+                    pending = oldest.pending + [s1_id]
+                    d = drafter(oldest.hidden[:, :1], oldest.s1[None])
                     if len(pending) > max_pending:
                         main(mx.array(pending[:-1], dtype=mx.int32)[None])
                         pending = pending[-1:]
-                inflight = None
+                    oldest = forward(mx.array(pending, dtype=mx.int32), pending, d)
                 since_clear += len(ready)
                 if since_clear >= 256:
                     mx.clear_cache()
                     since_clear = 0
         finally:
             if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
-                if inflight is not None:
-                    main.restore(inflight)
-                missing = ids[len(ids) - len(pending):n_prompt + yielded]  # the cache holds all but the pending
+                main.restore(oldest.before)
+                missing = ids[len(ids) - len(oldest.pending):n_prompt + yielded]  # it holds all but oldest's pending
                 if missing:
                     main(mx.array(missing, dtype=mx.int32)[None])
                 main.write_back()

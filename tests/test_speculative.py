@@ -116,6 +116,35 @@ def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
     _caches_equal(plain_cache, spec_cache)
 
 
+@pytest.mark.parametrize("max_tokens", [7, 8, 9, 30])
+def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_tokens):
+    """Drafts right at two positions of three, wrong at the third (so the forward queued ahead on the assumption of an
+    accepted draft is undone every few forwards, the head's cache with it), generation stopping at either kind of
+    decision: the plain tokens and cache, and the confirmed drafts where the pattern puts them."""
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    plain_cache, spec_cache = model.make_cache(), model.make_cache()
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens + 2, prompt_cache=plain_cache)]
+    n, drafted = prompt.size, CompiledDrafter.__call__
+
+    def draft(self, h, t):  # the head at position p drafts token p + 2; offset is now the last p + 1
+        out, i = drafted(self, h, t), self.offset + 1 - n
+        want = plain[i] if 0 <= i < len(plain) else 0
+        return out * 0 + (want if i % 3 else want + 1)
+
+    monkeypatch.setattr(CompiledDrafter, "__call__", draft)
+    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=spec_cache))
+    assert [t for t, _, _ in spec] == plain[:max_tokens]
+    confirmed, i = [], 1  # token 0 is sampled; a confirmed draft at i brings a sample at i + 1
+    while i < max_tokens:
+        confirmed += [i] if i % 3 else []
+        i += 2 if i % 3 else 1
+    assert [i for i, (_, _, d) in enumerate(spec) if d] == confirmed
+    plain_cache = model.make_cache()
+    list(generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=plain_cache))
+    _caches_equal(plain_cache, spec_cache)
+
+
 def test_stream_generate_and_cli_with_mtp(embedded):
     """stream_generate(mtp=True): the plain text, from_draft on the confirmed drafts; `lily-mlx generate --mtp`."""
     from lily_mlx.generate import main
