@@ -203,3 +203,19 @@ def test_kernel_source_dir_falls_back_to_inline(monkeypatch, tmp_path):
     assert kernels.source_dir() is None
     monkeypatch.setenv("LILY_MLX_KERNEL_CACHE", str(tmp_path / "k"))
     assert kernels.source_dir() == (tmp_path / "k").resolve()
+
+
+def test_register_check_knows_every_kernels_block():
+    """scripts/cuda_registers.py (launchability through ptxas) knows the block each kernel is launched with."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "cuda_registers.py"
+    spec_ = importlib.util.spec_from_file_location("cuda_registers", path)
+    tool = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(tool)
+    for name in SPEC_NAMES:
+        spec = kernels.SPECS[name]
+        for inst in spec.instances()[:3]:
+            threads = tool.block_threads(spec, dict(inst.template))
+            assert 32 <= threads <= 1024 and threads % 32 == 0, (name, threads)
+            assert not spec.cuda_launch_bounds or threads <= spec.cuda_launch_bounds[0], (name, threads)
