@@ -114,6 +114,9 @@ EMULATED = [
     Case(1, 4, 2, 32, 8, 16, 5, F32, planes=4, plane=1),
     Case(3, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, starts=[0, 20, 36]),  # left padding: whole splits skipped
     Case(2, 4, 2, 32, 8, 16, 9, F32, starts=[4, 0]),  # one block per kv head
+    # 37 splits: attn_combine's warps merge several groups of CS, the last one partial; the cache read in whole TP
+    # rows, then a boundary iteration. 8 rows of left padding empty the first split.
+    Case(1, 4, 2, 32, 8, 300, 290, BF16, nsplit=37, starts=[8]),
     # A speculative verify's tokens: each sees the cache and the new tokens up to itself.
     Case(1, 4, 2, 32, 8, 16, 5, tokens=3),
     Case(2, 6, 2, 64, 16, 40, 30, BF16, nsplit=3, tokens=2),
