@@ -183,7 +183,8 @@ def mtp_generate_step(
         mx.eval(token)
         progress(n_prompt, n_prompt)
         if CompiledVerifier.applicable(model, cache):  # compiled steps per token count from here on
-            reserve = max_tokens + 2 * max_pending + 4 if max_tokens > 0 else STEP
+            # the decided tokens, the pending ones and a draft, and the 2 tokens of the forward queued ahead
+            reserve = max_tokens + max_pending + 4 if max_tokens > 0 else STEP
             main, drafter = CompiledVerifier(model, cache, reserve), CompiledDrafter(model, mtp_cache, reserve)
         ids.append(token.item())
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
