@@ -4,7 +4,8 @@ A random model's MTP head is untrained, so its drafts are noise. After the head 
 bench replaces each draft with the plain decoder's own next token with probability ACCEPT, else with a token the
 model rejects: the acceptance is set, the cost is the real one. `--accept real` keeps the head's own drafts (a real
 checkpoint). Each run's tokens must equal plain greedy decoding's; a run that differs is reported, not timed.
-Decode throughput is generation_tps's: tokens after the first over the time since the first.
+Decode throughput is generation_tps's: tokens after the first over the time since the first. "forwards a token" counts
+the compiled verify forwards (those queued ahead and undone too) over the tokens generated.
 
     python -m bench.mtp --model PATH [--prompt-tokens 64] [--tokens 128] [--accept 0 0.5 0.8 1 real] [--rounds 3]
         [--json out.json]
@@ -46,6 +47,19 @@ def set_acceptance(sequence: list[int], accept: float, vocab: int, seed: int = 0
         CompiledDrafter.__call__ = real
 
 
+@contextlib.contextmanager
+def counted_forwards(calls: list):
+    """Every compiled verify forward appended to calls: the ones queued ahead and undone count too."""
+    from lily_mlx.decode import CompiledVerifier
+
+    real = CompiledVerifier.__call__
+    CompiledVerifier.__call__ = lambda self, tokens: calls.append(tokens.shape[1]) or real(self, tokens)
+    try:
+        yield
+    finally:
+        CompiledVerifier.__call__ = real
+
+
 def timed(steps) -> tuple[list[int], list[bool], float]:
     """(tokens, from_draft flags, decode tok/s) of a generate_step-like iterator of (token, logprobs[, from_draft])."""
     tokens, drafts, t0 = [], [], None
@@ -85,16 +99,20 @@ def main(argv=None) -> int:
     sequence = prompt.tolist() + plain_tokens
     arms = ["plain"] + args.accept
     runs: dict[str, list] = {arm: [] for arm in arms}
+    forwards: dict[str, list] = {arm: [] for arm in arms}  # verify forwards a generated token
     for r in range(args.rounds + 1):  # round 0 traces every token count: untimed
         for arm in arms:
+            calls: list = []
             if arm == "plain":
                 steps = generate_step(prompt, model, max_tokens=args.tokens)
                 result = timed(steps)
             else:
-                with set_acceptance(sequence, float(arm), vocab, seed=r) if arm != "real" else contextlib.nullcontext():
+                with set_acceptance(sequence, float(arm), vocab, seed=r) if arm != "real" else contextlib.nullcontext(), \
+                        counted_forwards(calls):
                     result = timed(mtp_generate_step(prompt, model, max_tokens=args.tokens))
             if r:
                 runs[arm].append(result)
+                forwards[arm].append(len(calls) / args.tokens if arm != "plain" else 1.0)
     report = {"model": args.model, "mlx": mx.__version__, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
               "rounds": args.rounds, "rows": []}
     plain_tps = statistics.median(tps for _, _, tps in runs["plain"])
@@ -102,12 +120,15 @@ def main(argv=None) -> int:
         same = all(tokens == plain_tokens for tokens, _, _ in runs[arm])
         tps = statistics.median(tps for _, _, tps in runs[arm])
         share = statistics.mean(sum(d) / len(d) for _, d, _ in runs[arm])
+        per_token = statistics.mean(forwards[arm])
         row = {"arm": arm, "same_tokens": same, "tok_s": tps if same else None, "draft_share": share,
-               "vs_plain": tps / plain_tps if same else None, "rounds_tok_s": [t for _, _, t in runs[arm]]}
+               "forwards_per_token": per_token, "vs_plain": tps / plain_tps if same else None,
+               "rounds_tok_s": [t for _, _, t in runs[arm]]}
         report["rows"].append(row)
         label = "plain greedy" if arm == "plain" else f"MTP, acceptance {arm}"
         if same:
-            print(f"{label:28} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens", flush=True)
+            print(f"{label:28} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens, "
+                  f"{per_token:.2f} forwards a token", flush=True)
         else:
             print(f"{label:28} FAILED: its tokens differ from plain greedy decoding's", flush=True)
     if args.json_path:
