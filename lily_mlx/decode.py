@@ -167,9 +167,7 @@ class CompiledDecoder:
 
     def _advance(self, tokens: mx.array, n_out: int) -> list:
         """The compiled step over tokens [B, T]: its first n_out outputs; the cache arrays kept."""
-        if self.kv and self.offset + tokens.shape[1] > self.kv[0][0].shape[2]:
-            capacity = _round_up(self.offset + tokens.shape[1] + STEP)
-            self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
+        self.kv = _with_room(self.kv, self.offset + tokens.shape[1])
         out = self._fn(tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, self.states))
         self.kv, self.states = _unflatten(out[n_out:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
@@ -227,9 +225,7 @@ class CompiledDrafter:
 
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         L = next_tokens.shape[-1]
-        if self.offset + L > self.kv[0][0].shape[2]:
-            capacity = _round_up(self.offset + L + STEP)
-            self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
+        self.kv = _with_room(self.kv, self.offset + L)
         out = self._fn(hidden, next_tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, []))
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         self.offset += L
@@ -415,6 +411,14 @@ def _step_function(kind: str) -> Callable:
 
 def _round_up(n: int) -> int:
     return -(-n // STEP) * STEP
+
+
+def _with_room(kv: list, length: int) -> list:
+    """(K, V) pairs [B, H, capacity, D] holding `length` positions: grown by a STEP past it where they do not."""
+    if not kv or length <= kv[0][0].shape[2]:
+        return kv
+    capacity = _round_up(length + STEP)
+    return [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in kv]
 
 
 def _pad_to(x: mx.array, capacity: int) -> mx.array:

@@ -81,21 +81,12 @@ class _Eager:
         pass
 
 
-class _EagerDrafter:
-    """The MTP head over mlx-lm KVCaches, eagerly (CompiledDrafter's interface), until the compiled draft applies."""
-
-    def __init__(self, model, mtp_cache: List[Any]):
-        self.model, self.cache = model, mtp_cache
+class _EagerDrafter(_Eager):
+    """The MTP head over its mlx-lm KVCaches, eagerly (CompiledDrafter's interface), until the compiled draft
+    applies; rolled back as _Eager rolls back its KV caches."""
 
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         return self.model.mtp_draft(hidden, next_tokens, self.cache)
-
-    def snapshot(self) -> list:
-        return [c.offset for c in self.cache]
-
-    def restore(self, snapshot: list) -> None:
-        for c, saved in zip(self.cache, snapshot):
-            c.trim(c.offset - saved)
 
 
 class _Forward(NamedTuple):
