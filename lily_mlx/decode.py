@@ -30,12 +30,29 @@ ops.register_switch("batched_attn_decode", "a left-padded batch's decode attenti
                     default_on=False)
 
 
+def row_positions(start1: mx.array, shape) -> mx.array:
+    """Where new K/V rows [B, H, T, D] (shape) go in a cache: start1 [1] int32 + t along T, broadcast to shape
+    (one array shared by every write of a step: put_along_axis would broadcast its own each time)."""
+    T = shape[2]
+    pos = start1 if T == 1 else start1 + mx.array(list(range(T)), dtype=mx.int32)  # a constant: no Arange primitive
+    return mx.broadcast_to(pos.reshape(1, 1, T, 1), shape)
+
+
+def write_rows(cache: mx.array, new: mx.array, pos: mx.array) -> mx.array:
+    """cache [B, H, capacity, D] with new [B, H, T, D] written at row_positions pos [B, H, T, D].
+    A scatter, not mx.slice_update: MLX's CUDA DynamicSliceUpdate (0.32) launches a thread per element of the
+    whole cache for the update's copy (each update element written capacity / T times: 33-43 us a step in
+    H200 run 33); a scatter launches one per update element."""
+    return mx.put_along_axis(cache, pos, new.astype(cache.dtype), axis=2)
+
+
 class _StaticKV:
     decode_tokens = True  # several new tokens may take the decode attention (model._decodes_tokens)
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, offset1: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, offset1: mx.array, pos: mx.array):
         self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
         self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
+        self.pos = pos  # row_positions of the step's new rows
 
     def decode_view(self):
         """(keys, values, offset [1], plane, row_start, row_pos): what ops.attention_decode reads before
@@ -43,8 +60,8 @@ class _StaticKV:
         return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.offset1, axes=(2,))
-        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.offset1, axes=(2,))
+        self.keys = write_rows(self.keys, k, self.pos)
+        self.values = write_rows(self.values, v, self.pos)
         return self.keys, self.values
 
     def make_mask(self, N: int, **_) -> mx.array:
@@ -58,7 +75,7 @@ class _StackedKV(_StaticKV):
     primitives per step instead of 2 per layer). The mask is _StaticKV's."""
 
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
-        super().__init__(keys, values, offset, offset1)
+        super().__init__(keys, values, offset, offset1, None)
         self.plane, self.rows = plane, rows
 
     def decode_view(self):
@@ -68,16 +85,17 @@ class _StackedKV(_StaticKV):
         self.rows.append((k, v))
         B = k.shape[0]  # the generic (several-token) attention reads its plane with the new rows written
         rows = slice(self.plane * B, (self.plane + 1) * B)
-        return (mx.slice_update(self.keys[rows], k.astype(self.keys.dtype), self.offset1, axes=(2,)),
-                mx.slice_update(self.values[rows], v.astype(self.values.dtype), self.offset1, axes=(2,)))
+        pos = row_positions(self.offset1, k.shape)
+        return write_rows(self.keys[rows], k, pos), write_rows(self.values[rows], v, pos)
 
 
 class _StaticBatchKV:
     """A BatchKVCache's rows at a fixed capacity: the step writes column `idx` of every row, row i holds its
     tokens in columns [left_padding[i], idx], and `offset` [B] (tokens per row) positions RoPE."""
 
-    def __init__(self, keys: mx.array, values: mx.array, idx1: mx.array, left_padding: mx.array, offset: mx.array):
-        self.keys, self.values, self.idx1 = keys, values, idx1  # idx1: int32 [1]
+    def __init__(self, keys: mx.array, values: mx.array, idx1: mx.array, left_padding: mx.array, offset: mx.array,
+                 pos: mx.array):
+        self.keys, self.values, self.idx1, self.pos = keys, values, idx1, pos  # idx1: int32 [1]
         self.left_padding, self.offset = left_padding, offset
 
     def decode_view(self):
@@ -87,8 +105,8 @@ class _StaticBatchKV:
         return self.keys, self.values, self.idx1, 0, self.left_padding, self.offset.astype(mx.int32)
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        self.keys = mx.slice_update(self.keys, k.astype(self.keys.dtype), self.idx1, axes=(2,))
-        self.values = mx.slice_update(self.values, v.astype(self.values.dtype), self.idx1, axes=(2,))
+        self.keys = write_rows(self.keys, k, self.pos)
+        self.values = write_rows(self.values, v, self.pos)
         return self.keys, self.values
 
     def make_mask(self, N: int, **_) -> mx.array:
@@ -331,7 +349,8 @@ def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, sta
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
                 offset, *flat):
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
-    shims = [_StaticBatchKV(k, v, idx1, left_padding, offset) for k, v in kv]
+    pos = _new_rows(kv, tokens.shape[1], idx1)
+    shims = [_StaticBatchKV(k, v, idx1, left_padding, offset, pos) for k, v in kv]
     (logits,), states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_logits)
     return (logits, offset + tokens.shape[1], *_flatten([(s.keys, s.values) for s in shims], states))
 
@@ -342,7 +361,8 @@ def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int
     decode step's trace drops it). -> (*head's outputs, every updated cache array)."""
     offset = offset1.reshape(())
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
-    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
+    pos = _new_rows(kv, tokens.shape[1], offset1)
+    shims = [_StaticKV(k, v, offset, offset1, pos) for k, v in kv]
     out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
     return (*out, *_flatten([(s.keys, s.values) for s in shims], states))
 
@@ -352,7 +372,8 @@ def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
     argmax draft for the token after the last [B] int32, then its K/V arrays."""
     offset = offset1.reshape(())
     kv, _ = _unflatten(flat, len(kv_index), 0)
-    shims = [_StaticKV(k, v, offset, offset1) for k, v in kv]
+    pos = _new_rows(kv, next_tokens.shape[1], offset1)
+    shims = [_StaticKV(k, v, offset, offset1, pos) for k, v in kv]
     return (model.mtp_draft(hidden, next_tokens, shims), *_flatten([(s.keys, s.values) for s in shims], []))
 
 
@@ -364,11 +385,18 @@ def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[in
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
     out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
-    k_new = mx.concatenate([k for k, _ in rows]).astype(keys.dtype)  # [P*B, Hkv, T, D], layer order
-    v_new = mx.concatenate([v for _, v in rows]).astype(values.dtype)
-    keys = mx.slice_update(keys, k_new, offset1, axes=(2,))
-    values = mx.slice_update(values, v_new, offset1, axes=(2,))
+    k_new = mx.concatenate([k for k, _ in rows])  # [P*B, Hkv, T, D], layer order
+    pos = row_positions(offset1, k_new.shape)
+    keys, values = write_rows(keys, k_new, pos), write_rows(values, mx.concatenate([v for _, v in rows]), pos)
     return (*out, *_flatten([(keys, values)], states))
+
+
+def _new_rows(kv: list, T: int, start1: mx.array):
+    """row_positions of a step's T new rows in per-layer caches kv [(K, V) [B, Hkv, capacity, D]] (None: none)."""
+    if not kv:
+        return None
+    B, H, _, D = kv[0][0].shape
+    return row_positions(start1, (B, H, T, D))
 
 
 # id(model) -> (weak reference to it, {(cache layout, parameter ids, switches): compiled step})
