@@ -56,9 +56,11 @@ def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) ->
             cache = model.make_cache()
             mx.eval(model(prompt, cache=cache), [c.state for c in cache])
             decoder, y = CompiledDecoder(model, cache), prompt[:, -1:]
-            for _ in range(decode_steps):
-                y = mx.argmax(decoder(y), axis=-1)[:, None]
-                mx.eval(y)
+            for _ in range(decode_steps):  # generate_step's sampling: logprobs, then the greedy sampler
+                logits = decoder(y)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                y = mx.argmax(logprobs, axis=-1)[:, None]
+                mx.eval(y, logprobs)
         return
     for i, counts in enumerate(splits[len(splits) // 2:]):
         tiles = {bm: int(np.sum(-(-counts // bm))) for bm in (16, 32, 64)}
