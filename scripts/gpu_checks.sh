@@ -100,8 +100,9 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
 # Each kernel's GPU time in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8 layers): run 33
 # found attn_decode at 255 us a layer at 4096 (33 GB/s) and MLX copies of ~40 us twice a step.
 for c in 64 4096; do
-  step 60 100 "ncu kernel times of decode steps, context $c" bash -c "ncu --clock-control none --csv --metrics \
-gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active python3 \
+  step 60 100 "ncu kernel times of decode steps, context $c" bash -c "ncu --clock-control none --print-units base --csv --metrics \
+gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,\
+dram__bytes_read.sum python3 \
 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c.csv 2>/dev/null; \
 python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c.csv --decode | tee $res/ncu_decode_$c.txt"
 done

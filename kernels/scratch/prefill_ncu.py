@@ -1,7 +1,7 @@
 """Where a prefill's GPU time goes, kernel by kernel (ncu's own kernel durations, no launch gaps), on the first
 `--layers` decoder layers of a model (4: three DeltaNet layers and an attention layer, the 35B-A3B's pattern):
 
-    ncu --csv --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+    ncu --csv --metrics gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,dram__bytes_read.sum \
         python3 kernels/scratch/prefill_ncu.py --model /tmp/r35 --tokens 512 > raw.csv
     python3 kernels/scratch/prefill_ncu.py --summarize raw.csv
 
@@ -78,29 +78,37 @@ def short(name: str) -> str:
 PREFILL_ONLY = re.compile(r"deltanet_chunk|deltanet_intra|deltanet_prep|flash_attn|moe_gemm|moe_sort")
 
 
+UNITS = {"Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "usecond": 1e3, "msecond": 1e6}  # to bytes, nanoseconds
+
+
 def summarize(path: str, decode: bool = False) -> None:
     launches = defaultdict(dict)  # ID -> metric -> value, and the kernel's name
     for row in csv.DictReader(io.StringIO("".join(l for l in open(path) if l.startswith('"')))):
         launch = launches[int(row["ID"])]
         launch["name"] = row["Kernel Name"]
-        launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        scale = UNITS.get(row.get("Metric Unit", ""), 1.0)  # ncu scales units per value unless --print-units base
+        launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * scale
     ids = sorted(launches)
     if decode:  # the second run's decode steps: after its prefill's last launch
         ids = ids[max(i for i, n in enumerate(ids) if PREFILL_ONLY.search(launches[n]["name"])) + 1:]
     second = ids[len(ids) // 2:]
-    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     for i in second:
         l = launches[i]
-        b = by[short(l["name"])]
+        # A kernel's instances apart by grid (the decode step's qmv serves five projections) where ncu measured it.
+        grid = int(l.get("launch__grid_size", 0))
+        b = by[short(l["name"]) + (f" [{grid} blocks]" if grid else "")]
         b[0] += 1
         b[1] += l.get("gpu__time_duration.sum", 0.0) / 1e3  # ns -> us
         b[2] = l.get("launch__registers_per_thread", 0.0)
         b[3] += l.get("sm__warps_active.avg.pct_of_peak_sustained_active", 0.0)
+        b[4] += l.get("dram__bytes_read.sum", 0.0)
     total = sum(b[1] for b in by.values())
     print(f"{len(second)} launches, {total:.0f} us of kernel time")
-    print(f"{'kernel':70} {'calls':>6} {'us':>9} {'share':>6} {'regs':>5} {'warps %':>8}")
-    for name, (n, us, regs, occ) in sorted(by.items(), key=lambda kv: -kv[1][1]):
-        print(f"{name:70} {n:6d} {us:9.1f} {100 * us / total:5.1f}% {regs:5.0f} {occ / n:8.1f}")
+    print(f"{'kernel':70} {'calls':>6} {'us':>9} {'share':>6} {'regs':>5} {'warps %':>8} {'us/call':>8} {'GB/s':>6}")
+    for name, (n, us, regs, occ, read) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name[:70]:70} {n:6d} {us:9.1f} {100 * us / total:5.1f}% {regs:5.0f} {occ / n:8.1f} {us / n:8.1f} "
+              f"{read / us / 1e3 if us else 0:6.0f}")
 
 
 def main() -> int:
