@@ -101,8 +101,8 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
 # found attn_decode at 255 us a layer at 4096 (33 GB/s) and MLX copies of ~40 us twice a step.
 for c in 64 4096; do
   step 60 100 "ncu kernel times of decode steps, context $c" bash -c "ncu --clock-control none --print-units base --csv --metrics \
-gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,\
-dram__bytes_read.sum python3 \
+gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
+python3 \
 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c.csv 2>/dev/null; \
 python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c.csv --decode | tee $res/ncu_decode_$c.txt"
 done
