@@ -533,6 +533,24 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     return _moe.down_combine_unfused(h, hs, inds, scores, logits[..., E:E + 1], down, shared_down, x, **q)
 
 
+def to_logprobs(logits, *, greedy: bool = False) -> tuple[mx.array, Optional[mx.array]]:
+    """logits [..., V] -> (logprobs = logits - logsumexp(logits) [..., V] in the logits' dtype, as generate_step
+    hands them to the sampler; with greedy, the greedy sampler's token [...] uint32 (their argmax), else None).
+    One launch where the kernel applies."""
+    out = _try("logprobs", logits, greedy=greedy)
+    if out is not None:
+        return out
+    lp = reference.logprobs(logits)
+    return lp, mx.argmax(lp, axis=-1) if greedy else None
+
+
+def argmax(logits) -> mx.array:
+    """logits [..., V] -> the index of each row's first maximum [...] uint32 (mx.argmax). One launch of many
+    blocks where the kernel applies."""
+    out = _try("logprobs_argmax", logits)
+    return out if out is not None else mx.argmax(logits, axis=-1)
+
+
 # Kernel modules register themselves on import; they need register_kernel above.
 from . import qmv as _qmv  # noqa: E402,F401
 from . import moe as _moe  # noqa: E402,F401
@@ -549,6 +567,7 @@ from . import moe_router as _moe_router  # noqa: E402,F401
 from . import moe_combine as _moe_combine  # noqa: E402,F401
 from . import moe_chain as _moe_chain  # noqa: E402,F401
 from . import deltanet_chain as _deltanet_chain  # noqa: E402,F401
+from . import logprobs as _logprobs  # noqa: E402,F401
 from . import attn_chain as _attn_chain  # noqa: E402,F401
 
 # Rows (tokens in a step) up to which the decode kernels apply; each power-of-two bucket below is one JIT build.

@@ -325,6 +325,11 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     return out * mx.sigmoid(gate.reshape(B, T, Hq * D)), k.astype(keys.dtype), v.astype(keys.dtype)
 
 
+def logprobs(logits: mx.array) -> mx.array:
+    """[..., V] -> logits - logsumexp(logits) over V, in the logits' dtype (mlx_lm's generate_step)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def moe_route(logits: mx.array, top_k: int, normalize: bool):
     """Softmax router in float32, top-k, optional renormalisation. logits [..., E] -> (indices [..., k], weights [..., k])."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
