@@ -62,6 +62,14 @@ def timed_steps(step, steps: int) -> dict:
             "dispatch_cpu_ms": 1e3 * statistics.median(dispatch_cpu)}
 
 
+def greedy_next(logits: mx.array) -> mx.array:
+    """logits [1, V] -> the next token [1, 1] as generate_step picks it with the greedy sampler: through the
+    logprobs (ops.to_logprobs: one launch with switch logprobs, else logsumexp, subtract and argmax)."""
+    from lily_mlx import ops
+
+    return ops.to_logprobs(logits, greedy=True)[1][:, None]
+
+
 def step_times(model, context: int, steps: int, vocab: int) -> dict:
     from lily_mlx.decode import CompiledDecoder
 
@@ -71,7 +79,7 @@ def step_times(model, context: int, steps: int, vocab: int) -> dict:
 
     def step():
         nonlocal tok
-        tok = mx.argmax(dec(tok), axis=-1)[:, None]
+        tok = greedy_next(dec(tok))
         return tok
 
     t = timed_steps(step, steps)
@@ -112,13 +120,13 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             dec, tok = decoders[on], mx.array([[1]])
             t0 = time.perf_counter()
-            nxt = mx.argmax(dec(tok), axis=-1)[:, None]
+            nxt = greedy_next(dec(tok))
             mx.async_eval(nxt)
             dispatch_cpu = []
             for _ in range(steps):
                 cur = nxt
                 c0 = time.thread_time()
-                nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+                nxt = greedy_next(dec(cur))
                 mx.async_eval(nxt)
                 dispatch_cpu.append(time.thread_time() - c0)
                 mx.eval(cur)
@@ -149,7 +157,7 @@ def native_profile(model, context: int, vocab: int, path: Path, seconds: float, 
     dec = CompiledDecoder(model, cache, reserve=int(seconds * 1000) + 64)  # < 1 ms a step would be news
     nxt = mx.array([[1]])
     for _ in range(3):
-        nxt = mx.argmax(dec(nxt), axis=-1)[:, None]
+        nxt = greedy_next(dec(nxt))
         mx.eval(nxt)
     raw = path.with_suffix("")
     proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "-r", str(rate), "-d", str(max(1, round(seconds))),
@@ -157,7 +165,7 @@ def native_profile(model, context: int, vocab: int, path: Path, seconds: float, 
     steps = 0
     while proc.poll() is None and steps < int(seconds * 1000):
         cur = nxt
-        nxt = mx.argmax(dec(cur), axis=-1)[:, None]
+        nxt = greedy_next(dec(cur))
         mx.async_eval(nxt)
         mx.eval(cur)
         steps += 1

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import ops
 from .decode import STEP, CompiledDecoder
 from .memory import bounded_prefill
 
@@ -116,8 +117,8 @@ def generate_step(
                 for processor in logits_processors:
                     logits = processor(history, logits)
             quantize_cache(cache)
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            return sampler(logprobs), logprobs.squeeze(0)
+            logprobs, greedy = ops.to_logprobs(logits, greedy=sampler is greedy_sampler)
+            return greedy if greedy is not None else sampler(logprobs), logprobs.squeeze(0)
 
     with mx.stream(stream):
         done = 0

@@ -440,7 +440,7 @@ class Model(nn.Module):
         """The MTP head's greedy draft [B] int32 for the token after the last of next_tokens (see mtp_hidden): the
         lm_head scores the last position only."""
         h = self.mtp_hidden(hidden, next_tokens, cache)[:, -1]
-        return mx.argmax(self.language_model.logits(h), axis=-1).astype(mx.int32)
+        return ops.argmax(self.language_model.logits(h)).astype(mx.int32)
 
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:
         """DeltaNet layers: [conv state, recurrent state]; attention layers: a KV cache, a rotating

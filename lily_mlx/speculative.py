@@ -31,6 +31,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
+from . import ops
 from .decode import STEP, CompiledDrafter, CompiledVerifier, verify_outputs
 from .memory import bounded_prefill
 
@@ -138,8 +139,8 @@ def mtp_generate_step(
         logits = logits[None]
         for processor in logits_processors or ():
             logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs).astype(mx.int32), logprobs.squeeze(0)
+        logprobs, greedy = ops.to_logprobs(logits, greedy=sampler is greedy_sampler)
+        return (greedy if greedy is not None else sampler(logprobs)).astype(mx.int32), logprobs.squeeze(0)
 
     def history(*extra: mx.array) -> Optional[mx.array]:
         return mx.concatenate([mx.array(ids, dtype=mx.int32), *extra]) if logits_processors else None

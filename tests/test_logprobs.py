@@ -122,3 +122,38 @@ def test_logprobs_cuda(case):
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_logprobs_metal(case):
     _gpu("metal", case)
+
+
+def _greedy_on_vs_off(mtp: bool):
+    """The embedded 4-bit model's greedy tokens and logprobs through generate_step (mtp: the speculative loop, whose
+    draft takes logprobs_argmax) with both switches on vs off."""
+    import lily_mlx
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+    from lily_mlx.generation import generate_step
+
+    model = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)[0]
+    prompt = mx.array(np.random.default_rng(1).integers(0, 2048, 8))
+    runs = {}
+    for on in (False, True):
+        with ops.switched("logprobs", on), ops.switched("logprobs_argmax", on):
+            before = dict(ops.declined)
+            runs[on] = list(generate_step(prompt, model, max_tokens=24, mtp=mtp))
+            assert ops.declined == before, f"declined: {ops.declined} (was {before})"
+    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]], "greedy tokens with the kernel differ"
+    for (_, on), (_, off) in zip(runs[True], runs[False]):
+        assert on.dtype == off.dtype and mx.allclose(on.astype(F32), off.astype(F32), atol=2e-2).item()
+
+
+def _model_checks():
+    _greedy_on_vs_off(False)
+    _greedy_on_vs_off(True)
+
+
+@pytest.mark.cuda
+def test_generate_with_kernel_cuda():
+    _model_checks()
+
+
+@pytest.mark.metal
+def test_generate_with_kernel_metal():
+    _model_checks()

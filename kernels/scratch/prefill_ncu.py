@@ -50,6 +50,7 @@ def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) ->
         cache = model.make_cache()
         mx.eval(model(prompt, cache=cache), [c.state for c in cache])
     if decode_steps:
+        from lily_mlx import ops
         from lily_mlx.decode import CompiledDecoder
 
         for _ in range(2):
@@ -57,10 +58,8 @@ def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) ->
             mx.eval(model(prompt, cache=cache), [c.state for c in cache])
             decoder, y = CompiledDecoder(model, cache), prompt[:, -1:]
             for _ in range(decode_steps):  # generate_step's sampling: logprobs, then the greedy sampler
-                logits = decoder(y)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                y = mx.argmax(logprobs, axis=-1)[:, None]
-                mx.eval(y, logprobs)
+                y = ops.to_logprobs(decoder(y), greedy=True)[1][:, None]
+                mx.eval(y)
         return
     for i, counts in enumerate(splits[len(splits) // 2:]):
         tiles = {bm: int(np.sum(-(-counts // bm))) for bm in (16, 32, 64)}

@@ -36,6 +36,7 @@ from mlx_lm.sample_utils import (
 
 from ..decode import CompiledBatchDecoder, CompiledDecoder
 from ..memory import bounded_prefill
+from .. import ops
 from ..ops import DECODE_KERNEL_ROWS
 from ..ops.kernels import row_bucket
 from .metrics import Metrics
@@ -434,8 +435,8 @@ class Engine:
             inputs = mx.array([[r.last] for r in rows])  # [B, 1]
             logits = self._step(inputs).astype(mx.float32)  # [B, V]
             logits = self._process(rows, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = self._sample(rows, logprobs)  # [B]
+            logprobs, greedy = ops.to_logprobs(logits, greedy=True)
+            tokens = self._sample(rows, logprobs, greedy)  # [B]
             chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
             k = max((r.req.params.top_logprobs for r in rows if r.req.params.logprobs), default=0)
             top_i = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k else None
@@ -528,8 +529,8 @@ class Engine:
             out.append(row)
         return mx.concatenate(out, axis=0)
 
-    def _sample(self, rows: list[Row], logprobs: mx.array) -> mx.array:
-        tokens = mx.argmax(logprobs, axis=-1)
+    def _sample(self, rows: list[Row], logprobs: mx.array, tokens: mx.array) -> mx.array:
+        """tokens [B]: the greedy ones, replaced in the rows that sample."""
         sampled = [i for i, r in enumerate(rows) if r.sampler is not None]
         if sampled:
             picks = []
