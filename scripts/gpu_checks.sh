@@ -78,6 +78,10 @@ for sw in deltanet_chain_out deltanet_chain; do
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch "$sw" \
     --json "$res/decode_ab_$sw.json"
 done
+# The sampling step (logprobs and the greedy token, as generate_step takes them) in one launch vs MLX's logsumexp,
+# subtract and argmax, each of those one block over the 248,320 logits.
+step 60 110 "decode step, logprobs on vs off" python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 \
+  --no-ops --ab-switch logprobs+logprobs_argmax --json "$res/decode_ab_logprobs.json"
 # attn_chain on vs off with the other chains on in both arms (87 primitives a step with all on); context 4096 takes
 # its attn_chain_long variant (the cache split in 256, merged by attn_combine's phase).
 step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on)" \
