@@ -227,6 +227,20 @@ def test_chain_metal(case, K, bits, gs, H, obits, fold):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", MODEL, ids=repr)
+def test_chain_wide_cuda(case, K, bits, gs, H, obits):
+    with ops.switched("attn_decode_wide", True):
+        _gpu("cuda", case, K, bits, gs, H, obits, True)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", MODEL, ids=repr)
+def test_chain_wide_metal(case, K, bits, gs, H, obits):
+    with ops.switched("attn_decode_wide", True):
+        _gpu("metal", case, K, bits, gs, H, obits, True)
+
+
+@pytest.mark.cuda
 def test_decode_with_chain_cuda():
     assert_chain_decodes("attn_chain", "cuda")
 

@@ -123,18 +123,23 @@ EMULATED = [
     Case(1, 3, 3, 96, 32, 70, 0, F16, nsplit=4, tokens=5),  # an empty cache: only the new tokens
     Case(3, 6, 2, 64, 16, 40, 33, BF16, nsplit=3, starts=[0, 20, 32], tokens=4),
     Case(2, 6, 2, 64, 16, 40, 30, F32, nsplit=2, planes=3, plane=1, tokens=2),
+    # Lanes' dims as whole 16-byte loads with attn_decode_wide: 8 bf16 (the 35B head), 8 float32 (two loads), 4.
+    Case(1, 4, 2, 256, 64, 60, 50, BF16, nsplit=3, theta=1e7),
+    Case(1, 2, 1, 256, 64, 40, 37, F32, nsplit=2, tokens=2),
+    Case(1, 4, 1, 128, 32, 40, 33, F32),
 ]
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_metal_emulated_matches_reference(tmp_path):
+@pytest.mark.parametrize("wide", [False, True], ids=["strided-lanes", "wide"])
+def test_metal_emulated_matches_reference(tmp_path, wide):
     emu, splits = Emulator(tmp_path / "a"), []
     (tmp_path / "a").mkdir()
     for c, case in enumerate(EMULATED):
         args = case.arrays(c)
         split = case.nsplit > 1
         inst = ad.instance(case.dtype, case.dtype, case.dtype, case.B, case.Hq, case.Hkv, case.D, case.rope, case.theta,
-                           1e-6, case.D**-0.5, split, rows=bool(case.starts), tokens=case.tokens)
+                           1e-6, case.D**-0.5, split, rows=bool(case.starts), tokens=case.tokens, wide=wide)
         threads = 32 * (case.Hq // case.Hkv)
         B, L, Hq, ns, D = case.B, case.tokens, case.Hq, case.nsplit, case.D
         shapes = [(B, L, Hq * D) if not split else (1,), (B, case.Hkv, L, D), (B, case.Hkv, L, D),
@@ -325,6 +330,10 @@ def _gpu(backend, case):
     _check(case, got, case.reference(args))
 
 
+# attn_decode_wide on: the cases whose lanes take whole 16-byte loads (D/32 dims of 8 bf16 or 4+ float32).
+WIDE_CASES = [c for c in GPU_CASES if (c.D // 32) * (2 if c.dtype != F32 else 4) % 16 == 0]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=repr)
 def test_attn_decode_cuda(case):
@@ -335,6 +344,20 @@ def test_attn_decode_cuda(case):
 @pytest.mark.parametrize("case", GPU_CASES, ids=repr)
 def test_attn_decode_metal(case):
     _gpu("metal", case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", WIDE_CASES, ids=repr)
+def test_attn_decode_wide_cuda(case):
+    with ops.switched("attn_decode_wide", True):
+        _gpu("cuda", case)
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("case", WIDE_CASES, ids=repr)
+def test_attn_decode_wide_metal(case):
+    with ops.switched("attn_decode_wide", True):
+        _gpu("metal", case)
 
 
 def _gpu_projected(backend, case):

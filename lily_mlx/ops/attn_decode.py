@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import kernels, metal_source, register_kernel
+from . import enabled, kernels, metal_source, register_kernel, register_switch
 
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
@@ -32,7 +32,7 @@ TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
 SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
-               "ROWS", "TOKS")
+               "ROWS", "TOKS", "WIDE")
 
 
 def splits(rows: int, n_kv_heads: int, capacity: int) -> int:
@@ -78,12 +78,13 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
 
 def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
              eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False,
-             tokens: int = 1) -> kernels.Instance:
-    """tokens: new tokens a row; the build holds row_bucket(tokens) of them (TOKS)."""
+             tokens: int = 1, wide: bool = False) -> kernels.Instance:
+    """tokens: new tokens a row; the build holds row_bucket(tokens) of them (TOKS). wide: a lane's dims consecutive,
+    loaded 16 bytes at a time (switch attn_decode_wide)."""
     template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
                 ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
-                ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)))
+                ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)), ("WIDE", bool(wide)))
     kv = (cache_dtype, (B, Hkv, capacity, D))
     per_row = (mx.int32, (B,) if rows else (1,))
     inputs = ((dtype, (B, tokens, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
@@ -117,7 +118,8 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     See ops.attention_decode for the arguments. merge=False leaves a split cache's partials unmerged: out is
     then (part_acc [B*T, Hq, NS, D], part_ml [B*T, Hq, NS, 2]) for qmv_attn to merge."""
     rows = None if row_start is None else (row_start, row_pos)
-    key = (proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
+    wide = enabled("attn_decode_wide")
+    key = (wide, proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
            offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
            None if rows is None else tuple((r.shape, r.dtype) for r in rows))
     launch = _LAUNCH.get(key, False)
@@ -128,7 +130,7 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
             (B, L, _), (_, Hkv, cap, D) = proj.shape, keys.shape
             ns = splits(B * L, Hkv, cap)
             inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
-                            eps, scale, ns > 1, rows=rows is not None, tokens=L)
+                            eps, scale, ns > 1, rows=rows is not None, tokens=L, wide=wide)
             comb = combine_instance(proj.dtype, B, n_heads, Hkv, D)
             launch = (list(inst.template), list(comb.template), ns)
         _LAUNCH[key] = launch
@@ -170,6 +172,9 @@ def _instances() -> list[kernels.Instance]:
             for tokens in (2, 5):  # a speculative verify's tokens
                 out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, True,
                                     tokens=tokens))
+            for split in (False, True):  # attn_decode_wide
+                out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split,
+                                    wide=True))
     return kernels.unique_instances(out, key=kernels.source_key)
 
 
@@ -201,6 +206,9 @@ def _dispatch(*args, **kwargs):
 
 
 register_kernel("attn_decode", SPEC.description, _dispatch)
+# Opt-in until the H200 times it against the strided lanes (run 33's ncu: 255 us a layer at context 4096).
+register_switch("attn_decode_wide", "decode attention (and attn_chain's): a lane's dims consecutive, 16-byte cache loads",
+                default_on=False)
 
 
 # Up to this many splits (cache capacity <= ~370 positions) qmv_attn merges them; every one of its blocks reads
