@@ -337,13 +337,15 @@ WIDE_CASES = [c for c in GPU_CASES if (c.D // 32) * (2 if c.dtype != F32 else 4)
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", GPU_CASES, ids=repr)
 def test_attn_decode_cuda(case):
-    _gpu("cuda", case)
+    with ops.switched("attn_decode_wide", False):
+        _gpu("cuda", case)
 
 
 @pytest.mark.metal
 @pytest.mark.parametrize("case", GPU_CASES, ids=repr)
 def test_attn_decode_metal(case):
-    _gpu("metal", case)
+    with ops.switched("attn_decode_wide", False):
+        _gpu("metal", case)
 
 
 @pytest.mark.cuda
