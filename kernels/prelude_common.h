@@ -214,6 +214,25 @@ LILY_INLINE float lily_gated(float o, TG gate) {
 LILY_INLINE float lily_nan() { return LILY_AS_FLOAT(0x7FC00000u); }
 LILY_INLINE float lily_neg_inf() { return LILY_AS_FLOAT(0xFF800000u); }
 
+// One step of an online softmax over N new scores s (masked ones -inf): the running max m, sum l and a lane's DPL
+// accumulated outputs rescaled to the new max, and s turned into the new rows' weights (0 where masked).
+template <int N, int DPL>
+LILY_INLINE void lily_softmax_step(LILY_THREAD float* s, LILY_THREAD float& m, LILY_THREAD float& l, LILY_THREAD float* acc) {
+  float mt = m;
+  LILY_UNROLL
+  for (int t = 0; t < N; ++t) mt = s[t] > mt ? s[t] : mt;
+  const float c = lily_exp(m - mt);  // m = -inf on the first rows: c = 0 scales nothing that exists
+  l *= c;
+  LILY_UNROLL
+  for (int j = 0; j < DPL; ++j) acc[j] *= c;
+  LILY_UNROLL
+  for (int t = 0; t < N; ++t) {
+    s[t] = s[t] > lily_neg_inf() ? lily_exp(s[t] - mt) : 0.0f;
+    l += s[t];
+  }
+  m = mt;
+}
+
 // The largest v over the 32 lanes of a warp, on every lane.
 LILY_INLINE float lily_warp_max(float v) {
   LILY_UNROLL
