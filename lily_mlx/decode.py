@@ -13,7 +13,7 @@ than a step).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -25,24 +25,31 @@ STEP = 256
 ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
 # stacked_kv: H200, 2026-12-03, pipelined step 3.86 -> 3.70 ms at 256 cached positions, 3.94 -> 3.77 at 4096.
 ops.register_switch("stacked_kv", "compiled decode: every attention layer's K/V in one buffer, written once a step")
+# MLX's CUDA DynamicSliceUpdate (0.32.4 and main, 2026-12-05) sizes its copy's grid by the whole cache while it
+# indexes by the update's shape, so each new K/V element is written capacity / T times (ncu, H200 run 33: 33-43 us
+# twice a step); a scatter's grid is the update's. Opt-in until the H200 times it (2 primitives more a step).
+ops.register_switch("kv_scatter", "compiled decode: K/V cache writes as a scatter, not a dynamic slice update",
+                    default_on=False)
 # Opt-in until the server's 8-client load has been timed with it on the H200 (its cuda tests pass there).
 ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
                     default_on=False)
 
 
-def row_positions(start1: mx.array, shape) -> mx.array:
-    """Where new K/V rows [B, H, T, D] (shape) go in a cache: start1 [1] int32 + t along T, broadcast to shape
-    (one array shared by every write of a step: put_along_axis would broadcast its own each time)."""
+def row_positions(start1: mx.array, shape) -> Optional[mx.array]:
+    """Where new K/V rows [B, H, T, D] (shape) go in a cache, for write_rows: with kv_scatter, start1 [1] int32 + t
+    along T broadcast to shape (one array shared by a step's writes: put_along_axis would broadcast its own each
+    time); else start1 itself."""
+    if not ops.enabled("kv_scatter"):
+        return start1
     T = shape[2]
     pos = start1 if T == 1 else start1 + mx.array(list(range(T)), dtype=mx.int32)  # a constant: no Arange primitive
     return mx.broadcast_to(pos.reshape(1, 1, T, 1), shape)
 
 
 def write_rows(cache: mx.array, new: mx.array, pos: mx.array) -> mx.array:
-    """cache [B, H, capacity, D] with new [B, H, T, D] written at row_positions pos [B, H, T, D].
-    A scatter, not mx.slice_update: MLX's CUDA DynamicSliceUpdate (0.32) launches a thread per element of the
-    whole cache for the update's copy (each update element written capacity / T times: 33-43 us a step in
-    H200 run 33); a scatter launches one per update element."""
+    """cache [B, H, capacity, D] with new [B, H, T, D] written at row_positions pos."""
+    if pos.ndim == 1:  # kv_scatter off: pos is the start
+        return mx.slice_update(cache, new.astype(cache.dtype), pos, axes=(2,))
     return mx.put_along_axis(cache, pos, new.astype(cache.dtype), axis=2)
 
 

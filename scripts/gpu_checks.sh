@@ -78,6 +78,9 @@ for sw in deltanet_chain_out deltanet_chain; do
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch "$sw" \
     --json "$res/decode_ab_$sw.json"
 done
+# The K/V writes as a scatter vs MLX's dynamic slice update (whose CUDA grid covers the whole cache).
+step 60 150 "decode step, kv_scatter on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
+  --steps 16 --no-ops --ab-switch kv_scatter --json "$res/decode_ab_kv_scatter.json"
 # attn_decode with a lane's dims consecutive (16-byte cache loads) vs strided lanes, at a short and a long cache.
 step 60 150 "decode step, attn_decode_wide on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
   --steps 16 --no-ops --ab-switch attn_decode_wide --json "$res/decode_ab_attn_decode_wide.json"

@@ -2,13 +2,20 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import lily_mlx
 from lily_mlx import ops
 from lily_mlx.decode import STEP, CompiledDecoder
 
 
-def test_compiled_steps_equal_eager_steps_across_capacity_growth(tiny_checkpoints):
+@pytest.mark.parametrize("scatter", [False, True], ids=["slice-update", "kv_scatter"])
+def test_compiled_steps_equal_eager_steps_across_capacity_growth(tiny_checkpoints, scatter):
+    with ops.switched("kv_scatter", scatter):
+        _compiled_equals_eager(tiny_checkpoints)
+
+
+def _compiled_equals_eager(tiny_checkpoints):
     model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
     prompt = mx.array([[5, 9, 33, 7, 101, 2, 64, 12, 400, 17, 3]])
     eager, fast = model.make_cache(), model.make_cache()
@@ -123,10 +130,16 @@ def test_prefill_with_query_blocked_attention_equals_one_block(tiny_checkpoints,
     assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5
 
 
-def test_stacked_kv_steps_equal_eager_steps_and_write_back(monkeypatch):
+@pytest.mark.parametrize("scatter", [False, True], ids=["slice-update", "kv_scatter"])
+def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter):
     """stacked_kv: the attention layers' caches as planes of one [P*B, Hkv, capacity, D] buffer, the step writing
     every layer's new row at once, equals the eager model across a capacity growth (batch 2), and its write-back
     hands each layer its own plane."""
+    with ops.switched("kv_scatter", scatter):
+        _stacked_equals_eager()
+
+
+def _stacked_equals_eager():
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model

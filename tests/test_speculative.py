@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 import lily_mlx
-from lily_mlx import speculative
+from lily_mlx import ops, speculative
 from lily_mlx.decode import CompiledDrafter, CompiledVerifier
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.generation import generate_step, stream_generate
@@ -56,6 +56,20 @@ def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty):
     _caches_equal(plain_cache, spec_cache)
     if max_tokens == 40:  # the trained head's drafts (0.4 of held-out positions) hold for a share of the tokens
         assert sum(d for _, _, d in spec) >= (10 if penalty is None else 5)
+
+
+def test_kv_scatter_through_the_verify(embedded):
+    """With kv_scatter the verify's several-row K/V writes (positions start + t) leave the tokens and the caller's
+    cache as plain decoding without it does."""
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    plain_cache, spec_cache = model.make_cache(), model.make_cache()
+    with ops.switched("kv_scatter", False):
+        plain = [t for t, _ in generate_step(prompt, model, max_tokens=30, prompt_cache=plain_cache)]
+    with ops.switched("kv_scatter", True):
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=30, prompt_cache=spec_cache))
+    assert [t for t, _, _ in spec] == plain and sum(d for _, _, d in spec) > 0
+    _caches_equal(plain_cache, spec_cache)
 
 
 def test_one_and_two_token_prompts(embedded):
