@@ -216,6 +216,16 @@ def attn_oproj_row(d, context: int = 256):
     return ours, kv_bytes + H * K // 2 + 2 * 2 * H * K // GROUP, copies
 
 
+def logprobs_row(d):
+    """A sampling step over the vocabulary at one token: logprobs and the greedy token (bytes: the logits read, the
+    logprobs written)."""
+    V = d["V"]
+    copies = _copies(4 * V)
+    logits = [(mx.random.normal((1, V), key=mx.random.key(20 + i)) * 3).astype(BF16) for i in range(copies)]
+    mx.eval(logits)
+    return (lambda i: ops.to_logprobs(logits[i], greedy=True)), 4 * V, copies
+
+
 def embed_row(d):
     """The embedding lookup of one token from the 4-bit table [V, H]."""
     V, H = d["V"], d["H"]
@@ -348,6 +358,10 @@ OP_ROWS = [
     ("deltanet_step", "DeltaNet decode step, 1 token", deltanet_step_row),
     ("attn_decode", "decode attention, 256 cached", lambda d: attn_row(d, 256)),
     ("attn_decode", "decode attention, 4096 cached", lambda d: attn_row(d, 4096)),
+    ("attn_decode_wide", "decode attention, 256 cached, 16-byte lanes (vs strided lanes)", lambda d: attn_row(d, 256)),
+    ("attn_decode_wide", "decode attention, 4096 cached, 16-byte lanes (vs strided lanes)",
+     lambda d: attn_row(d, 4096)),
+    ("logprobs", "logprobs and greedy token, 1 token (vs logsumexp, subtract, argmax)", logprobs_row),
     ("deltanet_chunk", "prefill chunk scan, one layer", chunk_row),
     ("deltanet_intra", "prefill intra-chunk part, one layer (vs MLX's ops)", intra_row),
     ("flash_attn", "causal prefill attention, one layer, T tokens (vs MLX's unfused attention)",
