@@ -101,6 +101,7 @@ def test_unsupported():
     assert lpk.unsupported(mx.zeros((2, 0))) is not None
     assert lpk.unsupported(mx.zeros((1, lpk.MAX_V))) is not None
     assert lpk.unsupported(mx.zeros((1, 3, 7))) is None
+    assert lpk.unsupported(mx.broadcast_to(mx.zeros((1, 1 << 20)), (1 << 11, 1 << 20))) is not None  # int32 indexing
 
 
 def _gpu(backend, case):

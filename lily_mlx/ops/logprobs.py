@@ -30,8 +30,8 @@ def unsupported(logits: mx.array) -> Optional[str]:
     """Why the kernel does not apply (None when it does)."""
     if logits.dtype not in FLOAT_DTYPES:
         return f"logits dtype {logits.dtype}: float32, bfloat16 or float16 expected"
-    if logits.ndim < 1 or logits.size == 0 or not 0 < logits.shape[-1] < MAX_V:
-        return f"logits shape {logits.shape}: a non-empty [..., V] with V < 2^24 expected"
+    if logits.ndim < 1 or logits.size == 0 or not 0 < logits.shape[-1] < MAX_V or logits.size >= 2**31:
+        return f"logits shape {logits.shape}: a non-empty [..., V] with V < 2^24 and under 2^31 elements expected"
     return None
 
 
