@@ -134,12 +134,20 @@ def _greedy_on_vs_off(mtp: bool):
 
     model = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)[0]
     prompt = mx.array(np.random.default_rng(1).integers(0, 2048, 8))
-    runs = {}
+    runs, names, calls = {}, ("logprobs", "logprobs_argmax"), []
+    real = {n: ops._kernels[n] for n in names}
     for on in (False, True):
         with ops.switched("logprobs", on), ops.switched("logprobs_argmax", on):
-            before = [ops.declined.get(n, 0) for n in ("logprobs", "logprobs_argmax")]
-            runs[on] = list(generate_step(prompt, model, max_tokens=24, mtp=mtp))
-            assert [ops.declined.get(n, 0) for n in ("logprobs", "logprobs_argmax")] == before, "the kernels declined"
+            before = [ops.declined.get(n, 0) for n in names]
+            for n in names:
+                ops._kernels[n] = lambda *a, _n=n, **k: calls.append((on, _n)) or real[_n](*a, **k)
+            try:
+                runs[on] = list(generate_step(prompt, model, max_tokens=24, mtp=mtp))
+            finally:
+                ops._kernels.update(real)
+            assert [ops.declined.get(n, 0) for n in names] == before, "the kernels declined"
+    if ops.backend() != "cpu":  # the kernels ran, only when on (the draft's argmax only with mtp)
+        assert all(on for on, _ in calls) and {n for _, n in calls} == set(names[:1 + mtp])
     assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]], "greedy tokens with the kernel differ"
     for (_, on), (_, off) in zip(runs[True], runs[False]):
         assert on.dtype == off.dtype and mx.allclose(on.astype(F32), off.astype(F32), atol=2e-2).item()
