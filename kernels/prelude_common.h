@@ -243,6 +243,23 @@ LILY_INLINE float lily_warp_max(float v) {
   return v;
 }
 
+// An argmax candidate (value v, index i) against the best so far: the larger value wins, a tie goes to the smaller
+// index (the first maximum, as MLX's argmax), a NaN never wins.
+LILY_INLINE bool lily_beats(float v, float i, float bv, float bi) { return v > bv || (v == bv && i < bi); }
+
+// The first maximum (v, i) over the 32 lanes of a warp, on every lane.
+LILY_INLINE void lily_warp_argmax(LILY_THREAD float& v, LILY_THREAD float& i) {
+  LILY_UNROLL
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = lily_shfl_xor(v, off);
+    const float oi = lily_shfl_xor(i, off);
+    if (lily_beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
 // The router's top-K of one row of E logits, computed by one warp (every lane ends with the same
 // answer): ids[j] in descending logit order, ties to the lower id; weights[j] the softmax
 // probabilities, renormalised over the K chosen when NORMTOPK (exp(l_j - l_0) / sum_K), else over
