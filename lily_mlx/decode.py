@@ -13,7 +13,7 @@ than a step).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -35,7 +35,7 @@ ops.register_switch("batched_attn_decode", "a left-padded batch's decode attenti
                     default_on=False)
 
 
-def row_positions(start1: mx.array, shape) -> Optional[mx.array]:
+def row_positions(start1: mx.array, shape) -> mx.array:
     """Where new K/V rows [B, H, T, D] (shape) go in a cache, for write_rows: with kv_scatter, start1 [1] int32 + t
     along T broadcast to shape (one array shared by a step's writes: put_along_axis would broadcast its own each
     time); else start1 itself."""

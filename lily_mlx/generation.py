@@ -48,6 +48,13 @@ def make_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]
     return make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
+def sample_logprobs(logits: mx.array, sampler: Sampler) -> Tuple[mx.array, mx.array]:
+    """logits [..., V] -> (the sampler's token, logprobs [..., V]) as generate_step takes them: the greedy sampler's
+    token comes from the logprobs' own launch (ops.to_logprobs)."""
+    logprobs, greedy = ops.to_logprobs(logits, greedy=sampler is greedy_sampler)
+    return greedy if greedy is not None else sampler(logprobs), logprobs
+
+
 def _check_max_tokens(max_tokens) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:
         raise ValueError(f"max_tokens must be a non-negative integer (or -1 for no limit), got {max_tokens!r}")
@@ -117,8 +124,8 @@ def generate_step(
                 for processor in logits_processors:
                     logits = processor(history, logits)
             quantize_cache(cache)
-            logprobs, greedy = ops.to_logprobs(logits, greedy=sampler is greedy_sampler)
-            return greedy if greedy is not None else sampler(logprobs), logprobs.squeeze(0)
+            token, logprobs = sample_logprobs(logits, sampler)
+            return token, logprobs.squeeze(0)
 
     with mx.stream(stream):
         done = 0

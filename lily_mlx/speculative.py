@@ -31,8 +31,8 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from . import ops
 from .decode import STEP, CompiledDrafter, CompiledVerifier, verify_outputs
+from .generation import sample_logprobs
 from .memory import bounded_prefill
 
 # Pending tokens (after rejections in a row) past which they are absorbed by a forward of their own, so a run of
@@ -139,8 +139,8 @@ def mtp_generate_step(
         logits = logits[None]
         for processor in logits_processors or ():
             logits = processor(history, logits)
-        logprobs, greedy = ops.to_logprobs(logits, greedy=sampler is greedy_sampler)
-        return (greedy if greedy is not None else sampler(logprobs)).astype(mx.int32), logprobs.squeeze(0)
+        token, logprobs = sample_logprobs(logits, sampler)
+        return token.astype(mx.int32), logprobs.squeeze(0)
 
     def history(*extra: mx.array) -> Optional[mx.array]:
         return mx.concatenate([mx.array(ids, dtype=mx.int32), *extra]) if logits_processors else None
