@@ -9,6 +9,7 @@
 #define LILY_UNROLL _Pragma("unroll")
 #define LILY_THREAD  // pointers to a thread's own registers/arrays (Metal's `thread`)
 #define LILY_TG_PTR  // shared-memory pointers (Metal's `threadgroup` address space)
+#define LILY_GLOBAL  // pointers into a kernel's inputs (Metal's `device` address space)
 
 // Global memory as seen by a kernel body; vector loads through the read-only path.
 #define LILY_LDG_U4(ptr, idx) __ldg(reinterpret_cast<const uint4*>(ptr) + (idx))

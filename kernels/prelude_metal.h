@@ -9,6 +9,7 @@
 #define LILY_SHARED threadgroup
 #define LILY_UNROLL _Pragma("clang loop unroll(full)")
 #define LILY_THREAD thread  // pointers to a thread's own registers/arrays
+#define LILY_GLOBAL device  // pointers into a kernel's inputs
 #ifndef LILY_TG_PTR  // pointers into threadgroup memory; the CPU emulator (tests/metal_shim) sets its own
 #define LILY_TG_PTR threadgroup
 #endif

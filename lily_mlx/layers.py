@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import ops
+from .ops import packing
 
 
 class Linear(nn.Module):
@@ -187,9 +188,10 @@ class FusedLinears:
         ok = all(same(p) and tuple(sorted(k for k, v in p.items() if isinstance(v, mx.array))) == keys for p in parts)
         return keys if ok else None
 
-    def fuse(self) -> bool:
-        """Concatenate the parts' arrays (no-op when already fused). False when they cannot be."""
-        if self.current():
+    def fuse(self, pack: bool = False) -> bool:
+        """Concatenate the parts' arrays (no-op when already fused), quantized ones packed (ops/packing.py) when
+        `pack`. False when they cannot be concatenated."""
+        if self.current() and (not pack or self.packed() is not None):
             return True
         keys = self._keys()
         if keys is None:
@@ -197,6 +199,9 @@ class FusedLinears:
             return False
         parts = self.parts()
         self.arrays = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in keys}
+        a = self.arrays
+        if pack and "biases" in a and packing.why_not(a["weight"], a["scales"], a["biases"]) is None:
+            _, a["weight"], a["scales"], a["biases"] = packing.pack(a["weight"], a["scales"], a["biases"])
         start, views = 0, []
         for p in parts:
             n = p["weight"].shape[0]
@@ -206,6 +211,11 @@ class FusedLinears:
             start += n
         self.views = tuple(views)
         return True
+
+    def packed(self) -> Optional[mx.array]:
+        """The packed array of the fused quantized weight, if fuse() packed it."""
+        a = self.arrays or {}
+        return packing.lookup(a["weight"], a["scales"], a["biases"]) if "biases" in a else None
 
     def current(self) -> bool:
         """True while every part still holds the slices fuse() gave it."""

@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from . import memory, ops
+from .ops import packing
 from .config import ModelConfig
 from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, added, embedded, normed, output_weights
 
@@ -24,6 +25,12 @@ from .layers import FusedLinears, GatedRMSNorm, Linear, RMSNorm, SwitchLinear, a
 # 29, interleaved rounds: 512 tokens 44.1 vs 58.7 ms, peak weights + 0.57 vs + 3.95 GB; 2048 and 8192 unchanged.
 ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispatched to the GPU as soon as it is "
                     "built, so the GPU runs while Python builds the next")
+
+
+# MLX's CPU cost per decode step grows with its graph's constants and kernel inputs (bench/step_dispatch.py); packed,
+# a quantized weight is one of each instead of three. Opt-in until the H200 has run the packed kernel variants.
+ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
+                    "decode kernels as one input", default_on=False)
 
 
 # New tokens after a cache that already holds some take the decode kernels (each DeltaNet or attention layer one
@@ -415,11 +422,36 @@ class Model(nn.Module):
     def fuse_projections(self) -> None:
         """Concatenate the projections that share an input (DeltaNet qkv|z|b|a, attention q|k|v, router |
         shared-expert gate) so each runs as one matmul; the parts keep working as views. Idempotent; run
-        at load, and again after anything replaces weights (the fused path is skipped until then)."""
+        at load, and again after anything replaces weights (the fused path is skipped until then). With switch
+        packed_weights, every quantized weight is then packed (pack_weights)."""
+        pack = ops.enabled("packed_weights")
+        for fused in self.fused_groups():
+            fused.fuse(pack)
+        if pack:
+            self.pack_weights()
+
+    def fused_groups(self):
+        """Every FusedLinears of the model (DeltaNet in-projections, attention q|k|v, router | shared-expert gate)."""
         for _, m in self.named_modules():
             for fused in (getattr(m, "fused_in", None), getattr(m, "fused_qkv", None), getattr(m, "router", None)):
                 if isinstance(fused, FusedLinears):
-                    fused.fuse()
+                    yield fused
+
+    def pack_weights(self) -> int:
+        """Pack each quantized weight not yet packed (ops/packing.py): its weight, scales and biases become views of
+        one array, which the decode kernels take as one input. Fused parts stay views of their fused, packed
+        concatenation. Values are unchanged and nothing is held twice. Returns how many were packed."""
+        fused_parts = {id(p) for f in self.fused_groups() if f.current() for p in f.parts()}
+        n = 0
+        for _, m in self.named_modules():
+            if id(m) in fused_parts or not all(isinstance(m.get(k), mx.array) for k in ("weight", "scales", "biases")):
+                continue
+            w, s, b = m["weight"], m["scales"], m["biases"]
+            if packing.lookup(w, s, b) is None and packing.why_not(w, s, b) is None:
+                _, w, s, b = packing.pack(w, s, b)
+                m.update({"weight": w, "scales": s, "biases": b})
+                n += 1
+        return n
 
     @property
     def layers(self):

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from lily_mlx.ops import kernels, metal_source
+from lily_mlx.ops import kernels, metal_source, packing
 
 SHIM_DIR = Path(__file__).parent / "metal_shim"
 ATTRIBUTE = re.compile(r"\[\[[^\[\]]*\]\]")
@@ -120,19 +120,46 @@ def case_source(case: int, spec, inst, kname: str, arrays, grid, group, out_shap
     return "\n".join(lines)
 
 
+def packed_launch(spec, inst, arrays, read_back: tuple = ()):
+    """(spec's packed variant, its instance, its inputs, read_back renumbered) for a launch of spec."""
+    at = {n: i for i, n in enumerate(spec.input_names)}
+    swap = {at[w]: packing.pack(arrays[at[w]], arrays[at[s]], arrays[at[b]])[0] for w, s, b in spec.weights}
+    keep = [i for i, n in enumerate(spec.input_names) if not any(n in (s, b) for _, s, b in spec.weights)]
+    inst = kernels.packed_instance(spec, inst)
+    assert inst is not None, f"{spec.name}: a weight of this instance cannot be packed"
+    return (kernels.SPECS[spec.name + kernels.PACKED], inst, [swap.get(i, arrays[i]) for i in keep],
+            tuple(keep.index(i) for i in read_back))
+
+
 class Emulator:
     """Collects launches of any registered kernels, builds one emulator binary, runs every case."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, packed_twins: bool = False):
+        """packed_twins: each launch whose quantized weights pack is run again through its kernel's packed variant
+        (ops/packing.py), and run() checks the two bit for bit."""
         self.dir = Path(tmp_path)
         self.sources: dict[str, str] = {}
         self.calls: list[str] = []
         self.outputs: list[list[tuple[tuple, mx.Dtype]]] = []
+        self.packed_twins = packed_twins
+        self.plain: list[int] = []  # the internal case of each add(), in order
+        self.twins: dict[int, int] = {}  # internal case -> its packed twin's
 
     def add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups: bool = False,
-            read_back: tuple = ()) -> int:
-        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed.
-        Returns the case number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
+            read_back: tuple = (), packed: bool = False) -> int:
+        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed;
+        `packed`: spec's packed variant, each of its quantized weights packed (ops/packing.py). Returns the case
+        number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
+        n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, packed)
+        self.plain.append(n)
+        if self.packed_twins and not packed and spec.weights and all(
+                packing.why_not(*(arrays[spec.input_names.index(name)] for name in t)) is None for t in spec.weights):
+            self.twins[n] = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, True)
+        return len(self.plain) - 1
+
+    def _add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, packed) -> int:
+        if packed:
+            spec, inst, arrays, read_back = packed_launch(spec, inst, arrays, read_back)
         n = len(self.calls)
         for i, a in enumerate(arrays):
             to_numpy(a).tofile(self.dir / f"{n}_in{i}.bin")
@@ -155,4 +182,10 @@ class Emulator:
             rc, log = run([str(exe), str(n), str(self.dir)], timeout=300)
             assert rc == 0, f"emulated case {n} failed:\n{log}"
             results.append([_from_file(self.dir / f"{n}_out{o}.bin", d, s) for o, (s, d) in enumerate(outs)])
-        return results
+        if self.packed_twins:
+            assert self.twins, "packed_twins: no launch had weights that pack"
+            for n, t in self.twins.items():
+                for o, (a, b) in enumerate(zip(results[n], results[t])):
+                    assert np.array_equal(to_numpy(a), to_numpy(b), equal_nan=True), \
+                        f"case {n}: output {o} differs with its weights packed"
+        return [results[n] for n in self.plain]

@@ -105,8 +105,9 @@ def _emulated_launch(case, inputs, fold):
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_chain_emulated_matches_reference(tmp_path):
-    """Both variants, every case, threadgroups in index order or last first; the counters come back zero."""
-    emu, checks = Emulator(tmp_path), []
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
+    whose weights pack also with packed weights, bit for bit the same."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
     for n, (c, fold) in enumerate([(c, True) for c in CASES] + [(c, False) for c in CASES]):
         case, K, bits, gs, H, obits = c
         inputs = _inputs(case, K, bits, gs, H, obits, seed=n)

@@ -143,7 +143,7 @@ def _stacked_equals_eager():
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
-    from test_decode_budget import NARROW
+    from bench.step_dispatch import NARROW
 
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4, 64, "float32"))
     model = Model(cfg)  # 12 layers: three attention layers, three planes

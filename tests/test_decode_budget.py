@@ -15,19 +15,12 @@ import re
 
 import mlx.core as mx
 import pytest
-import mlx.nn as nn
-from mlx.utils import tree_map_with_path
 
-from bench import random_model
+from bench.step_dispatch import layer_stack
 from lily_mlx import ops
-from lily_mlx.config import ModelConfig
 from lily_mlx.decode import CompiledDecoder
-from lily_mlx.model import Model
 from lily_mlx.ops import attn_decode, kernels
 
-NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-              num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # Per decode step: DeltaNet layer = norm+in_proj, deltanet_step, out_proj+residual, norm+router, MoE gate/up,
 # MoE down+combine; attention layer = the same with attn_decode for deltanet_step, plus attn_combine when the
 # cache is split (the compiled decoder's capacity is a multiple of 256: always); then final norm + lm_head.
@@ -38,32 +31,27 @@ PER_DELTANET, PER_ATTENTION = 6, 6
 OTHER_MAX = {False: 21, True: 5}
 
 
-def _model():
-    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", NARROW, 0, 4, 64, "bfloat16"))
-    model = Model(cfg)
-    nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
-    model.update(tree_map_with_path(
-        lambda p, x: x.astype(mx.bfloat16) if x.dtype == mx.float32 and not p.endswith("A_log") else x,
-        model.parameters()))
-    model.fuse_projections()
-    mx.eval(model.parameters())
-    return model
-
-
 def _primitives(outputs, path) -> collections.Counter:
     mx.export_to_dot(str(path), *outputs)
     nodes = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]', path.read_text()))
     return collections.Counter(nodes.values())
 
 
-@pytest.mark.parametrize("stacked, fold, chain, dn_chain, attn, scatter", [
-    (False, False, False, 0, False, False), (True, False, False, 0, False, False), (True, True, False, 0, False, False),
-    (True, True, True, 0, False, False), (True, True, True, 1, False, False), (True, True, True, 2, False, False),
-    (True, True, True, 2, True, False), (False, False, False, 0, False, True), (True, True, False, 0, False, True)],
+# Kernel inputs a step passes (MLX walks and records each one; ops/packing.py): by configuration, unpacked / packed.
+INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1660, 936)}
+
+
+@pytest.mark.parametrize("stacked, fold, chain, dn_chain, attn, scatter, packed", [
+    (False, False, False, 0, False, False, False), (True, False, False, 0, False, False, False),
+    (True, True, False, 0, False, False, False), (True, True, True, 0, False, False, False),
+    (True, True, True, 1, False, False, False), (True, True, True, 2, False, False, False),
+    (True, True, True, 2, True, False, False), (False, False, False, 0, False, True, False),
+    (True, True, False, 0, False, True, False), (True, True, False, 0, False, False, True),
+    (True, True, True, 2, True, False, True)],
     ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain",
          "defaults+moe_chain+deltanet_chain", "defaults+moe_chain+deltanet_chain_out", "all-chains",
-         "per-layer-kv+kv_scatter", "defaults+kv_scatter"])
-def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain, attn, scatter):
+         "per-layer-kv+kv_scatter", "defaults+kv_scatter", "defaults+packed_weights", "all-chains+packed_weights"])
+def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain, attn, scatter, packed):
     """Kernel launches and other primitives of one compiled decode step of the 40-layer shape. With qmv_attn
     (attention's split merge inside o_proj) and dequant_rows (the embedding lookup in one launch), both on by
     default, the whole step, its embedding included, is within issue 4's budget of 250; moe_chain (opt-in) runs each
@@ -71,31 +59,37 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     and step (30 fewer; dn_chain 1), deltanet_chain_out its output projection too (60 fewer; dn_chain 2), attn_chain
     each attention layer's input projection, attention and output projection (20 fewer)."""
     cached = 8
-    model = _model()
+    model = layer_stack()
     cache = model.make_cache()
     model(mx.array([list(range(1, cached + 1))]), cache=cache)  # the real prefill, on the CPU
-    with ops.switched("stacked_kv", stacked):
-        dec = CompiledDecoder(model, cache, reserve=4)
+    with ops.switched("stacked_kv", stacked), ops.switched("packed_weights", packed):
+        dec = CompiledDecoder(model, cache, reserve=4)  # packs the weights (fuse_projections) when packed
     assert dec.stacked == stacked
     mx.eval(dec.kv, dec.states)
 
-    launches, standin_outputs = collections.Counter(), [0]
+    launches, standin_outputs, edges = collections.Counter(), [0], [0]
 
-    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
-        launches[name] += 1
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+        launches[name.removesuffix(kernels.PACKED) if packed else name] += 1
+        assert name.endswith(kernels.PACKED) == (packed and bool(kernels.SPECS[name].weights)), f"{name}: packed?"
         standin_outputs[0] += len(output_shapes)
+        edges[0] += len(inputs)
         outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
         return mx.depends(outs, list(inputs))
 
-    monkeypatch.setattr(kernels, "call", standin)
+    monkeypatch.setattr(kernels, "launch", standin)  # after kernels.call's checks and its packed-weight swap
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
     with ops.switched("qmv_attn", fold), ops.switched("dequant_rows", fold), ops.switched("moe_chain", chain), \
             ops.switched("deltanet_chain", dn_chain == 1), \
             ops.switched("deltanet_chain_out", dn_chain == 2), ops.switched("attn_chain", attn), \
-            ops.switched("kv_scatter", scatter):
+            ops.switched("kv_scatter", scatter), ops.switched("packed_weights", packed):
         step = dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
     counts = _primitives(step, tmp_path / "step.dot")
+    config = {(True, True, False, 0, False, False): "defaults", (True, True, True, 2, True, False): "all-chains"}.get(
+        (stacked, fold, chain, dn_chain, attn, scatter))
+    if config:
+        assert edges[0] == INPUT_EDGES[config][packed], f"{config}: {edges[0]} kernel inputs a step"
     # The lookup's own primitives (MLX's gathers and dequantize; the CPU's graph decomposes the dequantize): counted
     # apart, or, with dequant_rows, one launch of the step.
     embed = (collections.Counter() if fold else

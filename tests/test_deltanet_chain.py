@@ -84,8 +84,9 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_chain_emulated_matches_reference(tmp_path):
-    """Both variants, every case, threadgroups in index order or last first; the counters come back zero."""
-    emu, checks = Emulator(tmp_path), []
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
+    whose weights pack also with packed weights, bit for bit the same."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
     runs = [(c, False) for c in CASES] + [(c, True) for c in OUT_CASES]
     for n, ((case, K, bits, gs), with_out) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)

@@ -59,7 +59,7 @@ ROW_CASES = [(300, [[5, 299, 0, 5]], 96, 32, 8, F32, mx.int32), (17, [3, 16, 3],
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_embedding_rows_emulated_match_quantized_embedding(tmp_path):
-    emu, wants = Emulator(tmp_path), []
+    emu, wants = Emulator(tmp_path, packed_twins=True), []  # packed tables too, bit for bit the same
     for i, (V, ids, K, group, bits, sdt, idt) in enumerate(ROW_CASES):
         q, s, b = _weights(V, K, group, bits, sdt, 10 + i)
         ids = mx.array(ids, dtype=idt)

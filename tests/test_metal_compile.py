@@ -160,7 +160,8 @@ def _qmv_case(M, K, N, bits, gs, dt, fusion, key):
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_qmv_metal_emulated_matches_reference(tmp_path):
-    emu, expected = Emulator(tmp_path), []
+    """Every case against its reference; each whose weight packs also through qmv_pw, bit for bit the same."""
+    emu, expected = Emulator(tmp_path, packed_twins=True), []
     for c, (M, K, N, bits, gs, dt, fusion) in enumerate(EMULATED):
         x, w, scales, biases, norm, res, ref = _qmv_case(M, K, N, bits, gs, dt, fusion, mx.random.key(c))
         # Built for M's bucket, as the dispatcher builds it: the kernel reads the M actual rows from x_shape.
@@ -173,7 +174,9 @@ def test_qmv_metal_emulated_matches_reference(tmp_path):
                   kernels.placeholder(dt) if res is None else res]
         emu.add(qmv.SPEC, inst, arrays, (p["blocks"] * threads, 1, 1), (threads, 1, 1), [(M, N)])
         expected.append((ref, 1e-5 if dt == mx.float32 else 8e-3))
-    for c, ((y,), (ref, tol)) in enumerate(zip(emu.run(), expected)):
+    results = emu.run()
+    assert len(emu.twins) >= len(EMULATED) // 2, "too few cases packed"
+    for c, ((y,), (ref, tol)) in enumerate(zip(results, expected)):
         y = y.astype(mx.float32)
         assert not mx.isnan(y).any().item(), f"case {EMULATED[c]}: unwritten (NaN) outputs"
         err = (mx.linalg.norm(y - ref) / mx.linalg.norm(ref)).item()

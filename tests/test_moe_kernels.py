@@ -204,8 +204,9 @@ def _down_args(a):
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_metal_emulated_matches_oracle(tmp_path):
-    """Both kernels' Metal sources on the CPU emulator (outputs start as NaN bytes), every case, one build."""
-    emu, checks = Emulator(tmp_path), []
+    """Both kernels' Metal sources on the CPU emulator (outputs start as NaN bytes), every case, one build; the
+    cases whose weights pack also through the packed-weight variants, bit for bit the same."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
     for c, forced in EMULATED:
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a = _case(c)
@@ -290,7 +291,7 @@ def test_block_takes_the_fused_op_for_every_row_count_its_kernels_take(monkeypat
     whose kernels take up to 8 tokens; 9 rows take the sorted gather. Both paths give the plain block's output."""
     from bench import random_model
     from lily_mlx.config import ModelConfig
-    from test_decode_budget import NARROW
+    from bench.step_dispatch import NARROW
 
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=4), 0, 4, 64, "float32"))
     model = model_mod.Model(cfg)  # quantized as a checkpoint is (4-bit, the router 8-bit), projections fused
@@ -497,8 +498,8 @@ PACKED_EMULATED = [CASES[1], CASES[5], CASES[7]]  # forced routing, a NaN row (i
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_packed_pair_emulated_matches_oracle(tmp_path):
     """moe_gate_up_packed's buffer, unpacked by the layout, against the oracle; moe_down_combine_packed reading a
-    buffer packed by the layout (the case's own h, hs, ids, weights) against the oracle."""
-    emu, checks = Emulator(tmp_path), []
+    buffer packed by the layout (the case's own h, hs, ids, weights) against the oracle; with packed weights too."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
     for c in PACKED_EMULATED:
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a = _case(c)
@@ -619,8 +620,9 @@ def _routed_args(a, router):
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_routed_gate_up_emulated_matches_oracle(tmp_path):
     """moe_gate_up_routed's Metal source on the CPU emulator (outputs start as NaN bytes): 4- and 8-bit routers,
-    groups 32-128, with and without the norm, at the planned launch and at the 35B-A3B gate/up plan."""
-    emu, checks = Emulator(tmp_path), []
+    groups 32-128, with and without the norm, at the planned launch and at the 35B-A3B gate/up plan; with packed
+    weights too."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
     for (c, rbits, rgs), forced in [(r, None) for r in ROUTED] + [(ROUTED[2], {"rps": 2, "warps": 8})]:
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)

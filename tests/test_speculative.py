@@ -221,9 +221,10 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
 
     from lily_mlx import ops
     from lily_mlx.ops import kernels
-    from test_decode_budget import _model, _primitives
+    from bench.step_dispatch import layer_stack
+    from test_decode_budget import _primitives
 
-    model = _model()
+    model = layer_stack()
     cache = model.make_cache()
     model(mx.array([list(range(1, 9))]), cache=cache)
     launches = collections.Counter()

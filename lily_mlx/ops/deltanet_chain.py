@@ -172,7 +172,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     output_names=ds.SPEC.output_names + ("proj",), template_params=SPEC_PARAMS,
     description="a Gated DeltaNet decode token in one launch: input norm, fused projection, the step",
     instances=lambda: _instances(False), defines=("LILY_CHAIN",),
-    cuda_launch_bounds=(32 * ds.MAX_WARPS,),
+    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"),),
 ))
 OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_chain_out", body="deltanet_chain.inc",
@@ -181,7 +181,7 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a Gated DeltaNet layer's mixer half in one launch: deltanet_chain, then the output projection and "
                 "the residual add",
     instances=lambda: _instances(True), defines=("LILY_CHAIN", "LILY_CHAIN_OUT"),
-    cuda_launch_bounds=(32 * ds.MAX_WARPS,),
+    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"), ("wo", "so", "bo")),
 ))
 
 

@@ -119,7 +119,7 @@ def _rows_instances() -> list[kernels.Instance]:
 ROWS_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="dequant_rows", body="dequant.inc", input_names=("w", "scales", "biases", "ids"), output_names=("out",),
     template_params=SPEC_PARAMS, description="an embedding lookup: quantized table rows picked by id and dequantized",
-    instances=_rows_instances, defines=("LILY_DEQUANT_ROWS",),
+    instances=_rows_instances, defines=("LILY_DEQUANT_ROWS",), weights=(("w", "scales", "biases"),),
 ))
 
 

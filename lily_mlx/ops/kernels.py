@@ -10,6 +10,7 @@ names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -25,7 +26,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from . import metal_source
+from . import metal_source, packing
 
 TemplateArg = Union[int, bool, mx.Dtype]
 BACKENDS = ("cuda", "metal")
@@ -92,6 +93,10 @@ class KernelSpec:
     # CUDA __launch_bounds__(threads, min blocks an SM): MLX writes the __global__ line itself, so the header
     # redefines __global__ to carry them (ptxas then caps the registers for that many resident blocks).
     cuda_launch_bounds: tuple[int, ...] = ()
+    # (codes, scales, biases) input names of quantized weights that may arrive packed as one array (ops/packing.py):
+    # register_spec then registers this spec's packed variant too, <name>_pw, each triple one input <codes>_pw.
+    weights: tuple[tuple[str, str, str], ...] = ()
+    packed_from: str = ""  # a packed variant: the spec it was made from
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -167,7 +172,98 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
     if spec.name in SPECS and SPECS[spec.name] != spec:
         raise ValueError(f"kernel {spec.name!r} is registered twice with different specs")
     SPECS[spec.name] = spec
+    if spec.weights and not spec.packed_from:
+        register_spec(packed_spec(spec))
     return spec
+
+
+PACKED = "_pw"  # a packed variant's suffix, of its name and of each packed input's
+
+
+def _packed_names(spec: KernelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input names, template parameters) of spec's packed variant."""
+    drop = {n for _, s, b in spec.weights for n in (s, b)}
+    names = tuple(n + PACKED if any(n == w for w, _, _ in spec.weights) else n for n in spec.input_names if n not in drop)
+    params = tuple(f"{w}{PACKED}_{p}" for w, _, _ in spec.weights for p in ("st", "wrow", "srow"))
+    return names, spec.template_params + params
+
+
+def packed_spec(spec: KernelSpec) -> KernelSpec:
+    """spec with each of its quantized weights taken as one packed input: the same body, after a preamble that
+    points the weight's codes, scales and biases into it (packed_preamble)."""
+    for triple in spec.weights:
+        missing = [n for n in triple if n not in spec.input_names]
+        if missing:
+            raise ValueError(f"kernel {spec.name!r}: packed weight {triple} names inputs it does not have: {missing}")
+    names, params = _packed_names(spec)
+    return dataclasses.replace(spec, name=spec.name + PACKED, input_names=names, template_params=params,
+                               description=spec.description + "; its quantized weights packed",
+                               instances=functools.partial(_packed_instances, spec), packed_from=spec.name)
+
+
+def _packed_instances(spec: KernelSpec) -> list[Instance]:
+    """The packed variant's instances for the compile checks: one per distinct set of input and output dtypes and
+    ranks (its preamble depends on nothing else; the body's other instances are the unpacked spec's)."""
+    insts = [i for i in map(functools.partial(packed_instance, spec), spec.instances()) if i is not None]
+    return unique_instances(insts, key=lambda i: (tuple((d, len(s)) for d, s in i.inputs), i.output_dtypes))
+
+
+def packed_instance(spec: KernelSpec, inst: Instance) -> Optional[Instance]:
+    """The instance of spec's packed variant for an instance of spec (None where a weight cannot be packed)."""
+    shaped = dict(zip(spec.input_names, inst.inputs))
+    packed, extra = {}, []
+    for w, s, b in spec.weights:
+        (wd, wsh), (sd, ssh) = shaped[w], shaped[s]
+        if packing.why_not(Shaped(wsh, wd), Shaped(ssh, sd), Shaped(shaped[b][1], shaped[b][0])) is not None:
+            return None
+        rows = math.prod(wsh[:-1])
+        end = packing.offsets(rows, wsh[-1], ssh[-1], sd.size)[2]
+        packed[w] = (mx.uint32, (*wsh[:-1], -(-end // rows)))
+        extra += [(f"{w}{PACKED}_st", sd), (f"{w}{PACKED}_wrow", wsh[-1]), (f"{w}{PACKED}_srow", ssh[-1])]
+    drop = {n for _, s, b in spec.weights for n in (s, b)}
+    inputs = tuple(packed.get(n, shaped[n]) for n in spec.input_names if n not in drop)
+    return Instance(inst.template + tuple(extra), inputs, inst.output_dtypes)
+
+
+def packed_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequence[tuple[str, TemplateArg]]):
+    """(variant name, inputs, template) of the packed variant for a launch of spec whose every weight triple is
+    a packed array's views (packing.lookup), else None."""
+    at = {n: i for i, n in enumerate(spec.input_names)}
+    swap, extra = {}, []
+    for w, s, b in spec.weights:
+        aw, as_ = inputs[at[w]], inputs[at[s]]
+        p = packing.lookup(aw, as_, inputs[at[b]])
+        if p is None:
+            return None
+        swap[at[w]] = p
+        extra += [(f"{w}{PACKED}_st", as_.dtype), (f"{w}{PACKED}_wrow", aw.shape[-1]), (f"{w}{PACKED}_srow", as_.shape[-1])]
+    drop = {at[n] for _, s, b in spec.weights for n in (s, b)}
+    return (spec.name + PACKED, [swap.get(i, a) for i, a in enumerate(inputs) if i not in drop],
+            [*template, *extra])
+
+
+def packed_preamble(spec: KernelSpec, body_text: str) -> str:
+    """A packed variant's first lines: each weight's codes, scales and biases as pointers into its packed input (the
+    layout of ops/packing.py), with the shapes and ndim the body reads of them."""
+    lines = []
+    for w, s, b in spec.weights:
+        p = w + PACKED
+        lines += [f"const size_t {p}_rows = lily_pw_rows({p}_shape, {p}_ndim);",
+                  f"const size_t {p}_s = lily_pw_round({p}_rows * {p}_wrow);",
+                  f"const size_t {p}_b = {p}_s + lily_pw_round(({p}_rows * {p}_srow * sizeof({p}_st) + 3) / 4);",
+                  f"const LILY_GLOBAL uint32_t* {w} = {p};",
+                  f"const LILY_GLOBAL {p}_st* {s} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_s);",
+                  f"const LILY_GLOBAL {p}_st* {b} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_b);"]
+        for n, last in ((w, "wrow"), (s, "srow"), (b, "srow")):
+            if re.search(rf"\b{n}_strides\b", body_text):
+                raise ValueError(f"kernel {spec.name!r} reads {n}_strides: a packed weight has none to give")
+            if re.search(rf"\b{n}_shape\b", body_text):
+                lines.append(f"int {n}_shape[8];")
+                lines.append(f"for (int d = 0; d < {p}_ndim; ++d) {n}_shape[d] = d + 1 < {p}_ndim ? int({p}_shape[d]) "
+                             f": {p}_{last};")
+            if re.search(rf"\b{n}_ndim\b", body_text):
+                lines.append(f"const int {n}_ndim = {p}_ndim;")
+    return "\n".join(lines) + "\n"
 
 
 def _check_backend(backend: str) -> None:
@@ -277,7 +373,9 @@ def expand(filename: str, defines: Sequence[str]) -> str:
 
 def body(spec: KernelSpec, backend: str) -> str:
     _check_backend(backend)
-    return read_source(f"entry_{backend}.inc") + "\n" + expand(spec.body, spec.defines)
+    text = expand(spec.body, spec.defines)
+    preamble = packed_preamble(spec, text) if spec.packed_from else ""
+    return read_source(f"entry_{backend}.inc") + "\n" + preamble + text
 
 
 def spec_header(spec: KernelSpec, backend: str, src: str) -> str:
@@ -365,7 +463,20 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
                          f"{spec.cuda_launch_bounds[0]}")
     from . import enabled
 
+    if spec.weights and not spec.packed_from and enabled("packed_weights"):
+        packed = packed_args(spec, inputs, template)
+        if packed is not None:
+            name, inputs, template = packed
+    return launch(name, backend, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value,
+                  shared_memory if backend == "cuda" else 0)
+
+
+def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
+           init_value: Optional[float], shared_memory: int) -> list[mx.array]:
+    """call's MLX launch, its arguments checked (and its weights swapped for their packed arrays)."""
+    from . import enabled
+
     kwargs = {} if init_value is None else {"init_value": init_value}
-    cuda = backend == "cuda"
-    return build(name, backend, cuda and enabled("cuda_source_files"), shared_memory if cuda else 0)(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-                                output_shapes=output_shapes, output_dtypes=output_dtypes, **kwargs)
+    return build(name, backend, backend == "cuda" and enabled("cuda_source_files"), shared_memory)(
+        inputs=inputs, template=template, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
+        output_dtypes=output_dtypes, **kwargs)

@@ -418,20 +418,24 @@ def _down_instances() -> list[kernels.Instance]:
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
+# The quantized weights each kernel reads, as (codes, scales, biases) inputs: packable (ops/packing.py).
+ROUTER_WEIGHTS = (("wr", "sr", "br"),)
+GATE_UP_WEIGHTS = (("wg", "sg", "bg"), ("wu", "su", "bu"), ("swg", "ssg", "sbg"), ("swu", "ssu", "sbu"))
+DOWN_WEIGHTS = (("wd", "sd", "bd"), ("swd", "ssd", "sbd"))
 GATE_UP_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_gate_up", body="moe_gate_up.inc",
     input_names=("x", "nw", "logits", "wg", "sg", "bg", "wu", "su", "bu", "swg", "ssg", "sbg", "swu", "ssu", "sbu"),
     output_names=("h", "hs", "inds", "weights"), template_params=GATE_UP_PARAMS,
     description="fused MoE routing (top-k of the logits) + input RMSNorm + gate/up + SwiGLU of the top-k and "
                 "shared experts, M <= 8 tokens (decode)",
-    instances=_gate_up_instances,
+    instances=_gate_up_instances, weights=GATE_UP_WEIGHTS,
 ))
 DOWN_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_down_combine", body="moe_down_combine.inc",
     input_names=("h", "hs", "inds", "weights", "logits", "wd", "sd", "bd", "swd", "ssd", "sbd", "residual"),
     output_names=("y",), template_params=DOWN_PARAMS,
     description="fused MoE down projections + top-k combine + gated shared expert + residual, M <= 8 tokens (decode)",
-    instances=_down_instances,
+    instances=_down_instances, weights=DOWN_WEIGHTS,
 ))
 
 
@@ -449,7 +453,7 @@ ROUTED_SPEC = kernels.register_spec(kernels.KernelSpec(
     input_names=("x", "nw", "wr", "sr", "br") + GATE_UP_SPEC.input_names[3:],
     output_names=GATE_UP_SPEC.output_names + ("logits",), template_params=ROUTED_PARAMS,
     description="moe_gate_up computing the router's logits itself (no router launch in a decode step)",
-    instances=_routed_instances, defines=("LILY_MOE_ROUTER",),
+    instances=_routed_instances, defines=("LILY_MOE_ROUTER",), weights=ROUTER_WEIGHTS + GATE_UP_WEIGHTS,
 ))
 
 
@@ -466,7 +470,7 @@ GATE_UP_PACKED_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_gate_up_packed", body="moe_gate_up.inc", input_names=GATE_UP_SPEC.input_names, output_names=("packed",),
     template_params=GATE_UP_PARAMS, description="moe_gate_up writing h, hs, ids and weights as one buffer",
     instances=lambda: kernels.unique_instances([_packed(i, False) for i in _gate_up_instances()], key=kernels.source_key),
-    defines=("LILY_MOE_PACKED",),
+    defines=("LILY_MOE_PACKED",), weights=GATE_UP_WEIGHTS,
 ))
 DOWN_PACKED_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_down_combine_packed", body="moe_down_combine.inc", input_names=("packed",) + DOWN_SPEC.input_names[4:],
@@ -474,7 +478,7 @@ DOWN_PACKED_SPEC = kernels.register_spec(kernels.KernelSpec(
     instances=lambda: kernels.unique_instances([_packed(i, True) for i in _down_instances()
                                                 if i.inputs[0][0] == mx.float32 and i.inputs[2][0] == mx.int32],
                                                key=kernels.source_key),
-    defines=("LILY_MOE_PACKED",),
+    defines=("LILY_MOE_PACKED",), weights=DOWN_WEIGHTS,
 ))
 
 

@@ -145,6 +145,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     output_names=("y", "logits", "packed"), template_params=SPEC_PARAMS,
     description="a decode step's MoE block in one launch: router, routed and shared gate/up, down, combine, residual",
     instances=_instances, defines=("LILY_MOE_PACKED", "LILY_CHAIN"),
+    weights=moe.ROUTER_WEIGHTS + moe.GATE_UP_WEIGHTS + moe.DOWN_WEIGHTS,
 ))
 
 

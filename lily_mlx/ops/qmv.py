@@ -176,7 +176,7 @@ def _instances() -> list[kernels.Instance]:
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases", "nw", "res"), output_names=("y",),
     template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode), optional input "
-    "RMSNorm and residual add", instances=_instances,
+    "RMSNorm and residual add", instances=_instances, weights=(("w", "scales", "biases"),),
 ))
 
 
@@ -242,7 +242,7 @@ ATTN_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="qmv_attn", body="qmv.inc", input_names=("part_acc", "part_ml", "proj", "w", "scales", "biases", "res"),
     output_names=("y",), template_params=ATTN_SPEC_PARAMS, description="a split decode attention's merge and "
     "output gate in the o_proj dequant GEMV (+ residual): no attn_combine launch", instances=_attn_instances,
-    defines=("LILY_QMV_ATTN",),
+    defines=("LILY_QMV_ATTN",), weights=(("w", "scales", "biases"),),
 ))
 
 

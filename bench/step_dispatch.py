@@ -1,0 +1,140 @@
+"""MLX's CPU cost to dispatch one compiled decode step, apart from the GPU and from the CUDA backend's own per-launch
+work (bench/launch_cost.py measures that).
+
+The 35B-A3B layer stack (40 layers, its quantization and layer pattern; tiny widths, since the cost follows the
+graph, not the sizes) is traced as the CUDA path builds it, every custom-kernel launch a stand-in primitive over the
+same inputs, then timed on this machine's default device as generate_step runs it, pipelined: the compiled call
+(MLX replays the traced graph: a map entry for each constant, an array for each primitive) and the async_eval that
+walks it. Configurations in interleaved rounds, medians of this thread's CPU time.
+
+    python -m bench.step_dispatch [--rounds 5] [--steps 60] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from bench import random_model
+
+# Widths small enough to build in a second (the counts and the cost do not depend on them).
+NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+              num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+CHAINS = ("moe_chain", "deltanet_chain_out", "attn_chain")
+CONFIGS = {"defaults": (), "packed_weights": ("packed_weights",), "chains": CHAINS,
+           "chains+packed_weights": CHAINS + ("packed_weights",)}
+
+
+def layer_stack():
+    """The 35B-A3B layer stack at NARROW widths: 4-bit weights (8-bit router), bf16, projections fused."""
+    from lily_mlx.config import ModelConfig
+    from lily_mlx.model import Model
+
+    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", NARROW, 0, 4, 64, "bfloat16"))
+    model = Model(cfg)
+    nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
+    model.update(tree_map_with_path(
+        lambda p, x: x.astype(mx.bfloat16) if x.dtype == mx.float32 and not p.endswith("A_log") else x,
+        model.parameters()))
+    model.fuse_projections()
+    mx.eval(model.parameters())
+    return model
+
+
+def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+    """kernels.launch's stand-in: one primitive over the launch's inputs, with its outputs' shapes and dtypes."""
+    outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
+    return mx.depends(outs, list(inputs))
+
+
+def decoder(model, switches: tuple, capacity: int) -> tuple:
+    """(a compiled decoder over an 8-token prefill traced under `switches`, the input count of each launch it
+    traced)."""
+    from lily_mlx import ops
+    from lily_mlx.decode import CompiledDecoder
+    from lily_mlx.ops import kernels
+
+    cache = model.make_cache()
+    model(mx.array([list(range(1, 9))]), cache=cache)
+    launched = []
+    with contextlib.ExitStack() as stack:
+        for n in switches:
+            stack.enter_context(ops.switched(n, True))
+        dec = CompiledDecoder(model, cache, reserve=capacity)
+        with mock.patch.object(kernels, "launch", lambda *a: launched.append(len(a[2])) or standin(*a)):
+            mx.eval(dec(mx.array([[1]])))  # the trace
+    return dec, launched
+
+
+def timed(dec, steps: int) -> tuple[float, float]:
+    """(call, call + async_eval) ms of thread CPU a step, medians, each step dispatched before the last is waited on."""
+    tok = mx.array([[1]])
+    calls, totals = [], []
+    nxt = dec(tok)
+    mx.async_eval(nxt)
+    for _ in range(steps):
+        cur = nxt
+        c0 = time.thread_time()
+        nxt = dec(tok)
+        c1 = time.thread_time()
+        mx.async_eval(nxt)
+        totals.append(time.thread_time() - c0)
+        calls.append(c1 - c0)
+        mx.eval(cur)
+    mx.eval(nxt)
+    return 1e3 * statistics.median(calls), 1e3 * statistics.median(totals)
+
+
+def measure(rounds: int, steps: int) -> dict:
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
+
+    counts = {}
+    with mock.patch.object(kernels, "launch", standin), mock.patch.object(ops, "backend", lambda: "cuda"):
+        model = layer_stack()
+        decoders = {}
+        for name, switches in CONFIGS.items():
+            decoders[name], launched = decoder(model, switches, rounds * (steps + 2) + 8)
+            counts[name] = {"launches": len(launched), "kernel_inputs": sum(launched)}
+        times = {name: [] for name in CONFIGS}
+        for r in range(rounds):
+            for name in (list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))):
+                times[name].append(timed(decoders[name], steps))
+    return {name: {**counts[name], "call_ms": statistics.median(t[0] for t in times[name]),
+                   "dispatch_ms": statistics.median(t[1] for t in times[name]),
+                   "rounds_dispatch_ms": [t[1] for t in times[name]]} for name in CONFIGS}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.step_dispatch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--json", dest="json_path")
+    args = ap.parse_args(argv)
+    rows = measure(args.rounds, args.steps)
+    print(f"{'configuration':24} {'launches':>8} {'inputs':>7} {'call ms':>8} {'+async_eval ms':>15}")
+    for name, r in rows.items():
+        print(f"{name:24} {r['launches']:8d} {r['kernel_inputs']:7d} {r['call_ms']:8.3f} {r['dispatch_ms']:15.3f}")
+    if args.json_path:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        Path(args.json_path).write_text(json.dumps(
+            {"date": datetime.date.today().isoformat(), "mlx": mx.__version__, "device": str(mx.default_device()),
+             "commit": commit, "rounds": args.rounds, "steps": args.steps, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
