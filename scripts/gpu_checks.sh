@@ -78,6 +78,14 @@ for sw in deltanet_chain_out deltanet_chain; do
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch "$sw" \
     --json "$res/decode_ab_$sw.json"
 done
+# Each quantized weight one kernel input instead of three (ops/packing.py: 724 fewer inputs a default step), with the
+# defaults and with every chain; then MLX's dispatch of the step without the GPU's work (stand-in kernels).
+step 60 150 "decode step, packed_weights on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
+  --steps 16 --no-ops --ab-switch packed_weights --json "$res/decode_ab_packed_weights.json"
+step 60 110 "decode step, packed_weights on vs off (every chain on)" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.profile_decode --model "$model" \
+  --context 64 --steps 16 --no-ops --ab-switch packed_weights --json "$res/decode_ab_packed_weights_chains.json"
+step 30 60 "decode step dispatch, kernels as stand-ins" python3 -m bench.step_dispatch --json "$res/step_dispatch.json"
 # The K/V writes as a scatter vs MLX's dynamic slice update (whose CUDA grid covers the whole cache).
 step 60 150 "decode step, kv_scatter on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
   --steps 16 --no-ops --ab-switch kv_scatter --json "$res/decode_ab_kv_scatter.json"

@@ -359,3 +359,18 @@ def test_mtp_bench_sets_the_acceptance(tmp_path):
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in rows.values())
     assert rows["1"]["draft_share"] > 0.35 and rows["0"]["draft_share"] == 0 and rows["plain"]["draft_share"] == 0
     assert mtp.main(["--model", str(random_model.ensure("random:tiny", tmp_path / "plain", progress=False))]) == 2
+
+
+def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
+    """bench.step_dispatch traces each configuration with stand-in kernels: packed weights take two inputs fewer per
+    weight (the budget test's counts), the chains fewer launches; every time is a positive figure."""
+    from bench import step_dispatch
+
+    out = tmp_path / "sd.json"
+    assert step_dispatch.main(["--rounds", "1", "--steps", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == set(step_dispatch.CONFIGS)
+    assert rows["packed_weights"]["launches"] == rows["defaults"]["launches"] > rows["chains"]["launches"]
+    assert rows["defaults"]["kernel_inputs"] - rows["packed_weights"]["kernel_inputs"] == 724
+    assert rows["chains"]["kernel_inputs"] - rows["chains+packed_weights"]["kernel_inputs"] == 724
+    assert all(r["dispatch_ms"] > r["call_ms"] > 0 for r in rows.values())

@@ -124,3 +124,41 @@ def test_dispatcher_swaps_in_the_packed_variant(monkeypatch):
     assert name == "qmv_pw" and inputs[1] is packed and len(inputs) == len(qmv.SPEC.input_names) - 2
     assert template["w_pw_st"] == mx.bfloat16 and template["w_pw_wrow"] == K // 8 and template["w_pw_srow"] == K // gs
     assert plain_copy[0] == "qmv" and plain_off[0] == "qmv"
+
+
+def _decode_packed_on_vs_off(backend_marker: str) -> None:
+    """The embedded 4-bit model in float32: a prompt, then 6 compiled decode steps with packed_weights off, then on.
+    On, every launch of a kernel that reads quantized weights is its packed variant, and the logits agree."""
+    import switch_ab
+    from lily_mlx.decode import CompiledDecoder
+
+    model, toks = switch_ab._model(mx.float32), switch_ab._tokens(40)
+    real, logits = kernels.launch, {}
+    for on in (False, True):
+        launched = []
+        with ops.switched("packed_weights", on):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "launch", lambda name, *a: launched.append(name) or real(name, *a))
+                model.fuse_projections()  # on: packs every quantized weight
+                cache = model.make_cache()
+                steps = [model(toks, cache=cache)[:, -1]]
+                dec = CompiledDecoder(model, cache)
+                for _ in range(6):
+                    steps.append(dec(mx.argmax(steps[-1], axis=-1)[:, None].astype(mx.int32)))
+                logits[on] = mx.stack(steps)
+                mx.eval(logits[on])
+        unpacked = sorted({n for n in launched if kernels.SPECS[n].weights and not kernels.SPECS[n].packed_from})
+        assert launched and (not unpacked if on else not any(kernels.SPECS[n].packed_from for n in launched)), \
+            f"{backend_marker}: packed_weights {'on' if on else 'off'}: {unpacked or launched}"
+    err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
+    assert err < 1e-6, f"{backend_marker}: decode logits with packed_weights: rel err {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_decode_with_packed_weights_cuda():
+    _decode_packed_on_vs_off("cuda")
+
+
+@pytest.mark.metal
+def test_decode_with_packed_weights_metal():
+    _decode_packed_on_vs_off("metal")
