@@ -202,10 +202,10 @@ def packed_spec(spec: KernelSpec) -> KernelSpec:
 
 
 def _packed_instances(spec: KernelSpec) -> list[Instance]:
-    """The packed variant's instances for the compile checks: one per distinct set of input and output dtypes and
-    ranks (its preamble depends on nothing else; the body's other instances are the unpacked spec's)."""
+    """The packed variant's instances for the compile checks: one per type of scales (its preamble depends on nothing
+    else; the body's every other instance is compiled as the unpacked spec's)."""
     insts = [i for i in map(functools.partial(packed_instance, spec), spec.instances()) if i is not None]
-    return unique_instances(insts, key=lambda i: (tuple((d, len(s)) for d, s in i.inputs), i.output_dtypes))
+    return unique_instances(insts, key=lambda i: dict(i.template)[spec.weights[0][0] + PACKED + "_st"])
 
 
 def packed_instance(spec: KernelSpec, inst: Instance) -> Optional[Instance]:
