@@ -191,7 +191,7 @@ class FusedLinears:
     def fuse(self, pack: bool = False) -> bool:
         """Concatenate the parts' arrays (no-op when already fused), quantized ones packed (ops/packing.py) when
         `pack`. False when they cannot be concatenated."""
-        if self.current() and (not pack or self.packed() is not None):
+        if self.current() and not (pack and self.packed() is None and self._packable(self.arrays)):
             return True
         keys = self._keys()
         if keys is None:
@@ -200,7 +200,7 @@ class FusedLinears:
         parts = self.parts()
         self.arrays = {k: mx.concatenate([p[k] for p in parts], axis=0) for k in keys}
         a = self.arrays
-        if pack and "biases" in a and packing.why_not(a["weight"], a["scales"], a["biases"]) is None:
+        if pack and self._packable(a):
             _, a["weight"], a["scales"], a["biases"] = packing.pack(a["weight"], a["scales"], a["biases"])
         start, views = 0, []
         for p in parts:
@@ -211,6 +211,10 @@ class FusedLinears:
             start += n
         self.views = tuple(views)
         return True
+
+    @staticmethod
+    def _packable(a: dict) -> bool:
+        return "biases" in a and packing.why_not(a["weight"], a["scales"], a["biases"]) is None
 
     def packed(self) -> Optional[mx.array]:
         """The packed array of the fused quantized weight, if fuse() packed it."""

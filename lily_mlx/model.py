@@ -419,12 +419,12 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, pack: bool = False) -> None:
         """Concatenate the projections that share an input (DeltaNet qkv|z|b|a, attention q|k|v, router |
         shared-expert gate) so each runs as one matmul; the parts keep working as views. Idempotent; run
-        at load, and again after anything replaces weights (the fused path is skipped until then). With switch
-        packed_weights, every quantized weight is then packed (pack_weights)."""
-        pack = ops.enabled("packed_weights")
+        at load, and again after anything replaces weights (the fused path is skipped until then). `pack`: every
+        quantized weight packed too (pack_weights; the compiled decoders ask for it with switch packed_weights, after
+        loading, so a checkpoint's arrays are gone before their packed copies are made)."""
         for fused in self.fused_groups():
             fused.fuse(pack)
         if pack:

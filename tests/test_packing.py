@@ -94,8 +94,7 @@ def test_model_packs_every_quantized_weight_and_computes_the_same():
     model = layer_stack()
     x = mx.array([[1, 2, 3, 4, 5]])
     before = model(x)
-    with ops.switched("packed_weights", True):
-        model.fuse_projections()
+    model.fuse_projections(pack=True)
     assert model.pack_weights() == 0
     groups = list(model.fused_groups())
     assert len(groups) == 2 * len(model.layers) and all(f.current() and f.packed() is not None for f in groups)
@@ -139,7 +138,7 @@ def _decode_packed_on_vs_off(backend_marker: str) -> None:
         with ops.switched("packed_weights", on):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(kernels, "launch", lambda name, *a: launched.append(name) or real(name, *a))
-                model.fuse_projections()  # on: packs every quantized weight
+                model.fuse_projections(pack=on)  # before the prompt, whose launches are counted too
                 cache = model.make_cache()
                 steps = [model(toks, cache=cache)[:, -1]]
                 dec = CompiledDecoder(model, cache)

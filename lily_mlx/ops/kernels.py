@@ -180,12 +180,14 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
 PACKED = "_pw"  # a packed variant's suffix, of its name and of each packed input's
 
 
-def _packed_names(spec: KernelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(input names, template parameters) of spec's packed variant."""
-    drop = {n for _, s, b in spec.weights for n in (s, b)}
-    names = tuple(n + PACKED if any(n == w for w, _, _ in spec.weights) else n for n in spec.input_names if n not in drop)
-    params = tuple(f"{w}{PACKED}_{p}" for w, _, _ in spec.weights for p in ("st", "wrow", "srow"))
-    return names, spec.template_params + params
+def _folded(spec: KernelSpec) -> set[str]:
+    """The inputs a packed variant does not take: each weight's scales and biases (its codes' input carries them)."""
+    return {n for _, s, b in spec.weights for n in (s, b)}
+
+
+def _layout_template(codes: str, scale_dtype: mx.Dtype, wrow: int, srow: int) -> list[tuple[str, TemplateArg]]:
+    """A packed weight's template arguments: the type of its scales, the words of codes and the scales a row."""
+    return [(f"{codes}{PACKED}_st", scale_dtype), (f"{codes}{PACKED}_wrow", wrow), (f"{codes}{PACKED}_srow", srow)]
 
 
 def packed_spec(spec: KernelSpec) -> KernelSpec:
@@ -195,7 +197,9 @@ def packed_spec(spec: KernelSpec) -> KernelSpec:
         missing = [n for n in triple if n not in spec.input_names]
         if missing:
             raise ValueError(f"kernel {spec.name!r}: packed weight {triple} names inputs it does not have: {missing}")
-    names, params = _packed_names(spec)
+    codes = {w for w, _, _ in spec.weights}
+    names = tuple(n + PACKED if n in codes else n for n in spec.input_names if n not in _folded(spec))
+    params = spec.template_params + tuple(n for w, _, _ in spec.weights for n, _ in _layout_template(w, mx.uint32, 0, 0))
     return dataclasses.replace(spec, name=spec.name + PACKED, input_names=names, template_params=params,
                                description=spec.description + "; its quantized weights packed",
                                instances=functools.partial(_packed_instances, spec), packed_from=spec.name)
@@ -219,9 +223,8 @@ def packed_instance(spec: KernelSpec, inst: Instance) -> Optional[Instance]:
         rows = math.prod(wsh[:-1])
         end = packing.offsets(rows, wsh[-1], ssh[-1], sd.size)[2]
         packed[w] = (mx.uint32, (*wsh[:-1], -(-end // rows)))
-        extra += [(f"{w}{PACKED}_st", sd), (f"{w}{PACKED}_wrow", wsh[-1]), (f"{w}{PACKED}_srow", ssh[-1])]
-    drop = {n for _, s, b in spec.weights for n in (s, b)}
-    inputs = tuple(packed.get(n, shaped[n]) for n in spec.input_names if n not in drop)
+        extra += _layout_template(w, sd, wsh[-1], ssh[-1])
+    inputs = tuple(packed.get(n, shaped[n]) for n in spec.input_names if n not in _folded(spec))
     return Instance(inst.template + tuple(extra), inputs, inst.output_dtypes)
 
 
@@ -236,9 +239,9 @@ def packed_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequence
         if p is None:
             return None
         swap[at[w]] = p
-        extra += [(f"{w}{PACKED}_st", as_.dtype), (f"{w}{PACKED}_wrow", aw.shape[-1]), (f"{w}{PACKED}_srow", as_.shape[-1])]
-    drop = {at[n] for _, s, b in spec.weights for n in (s, b)}
-    return (spec.name + PACKED, [swap.get(i, a) for i, a in enumerate(inputs) if i not in drop],
+        extra += _layout_template(w, as_.dtype, aw.shape[-1], as_.shape[-1])
+    folded = _folded(spec)
+    return (spec.name + PACKED, [swap.get(i, a) for i, a in enumerate(inputs) if spec.input_names[i] not in folded],
             [*template, *extra])
 
 
