@@ -161,3 +161,21 @@ def test_decode_with_packed_weights_cuda():
 @pytest.mark.metal
 def test_decode_with_packed_weights_metal():
     _decode_packed_on_vs_off("metal")
+
+
+def test_packing_leaves_float_weights_and_their_fusion_alone():
+    """A float model has nothing to pack: asking for it keeps every array (a re-fusion would make new ones and so a
+    new decode trace for every decoder)."""
+    from mlx.utils import tree_flatten
+
+    from bench import random_model
+    from bench.step_dispatch import NARROW
+    from lily_mlx.config import ModelConfig
+    from lily_mlx.model import Model
+
+    model = Model(ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=4), 0, 4,
+                                                                 64, "float32")))
+    model.fuse_projections()
+    before = [id(a) for _, a in tree_flatten(model.parameters())]
+    model.fuse_projections(pack=True)
+    assert [id(a) for _, a in tree_flatten(model.parameters())] == before and model.pack_weights() == 0
