@@ -158,8 +158,8 @@ class CompiledDecoder:
 
     def __init__(self, model, cache: List[Any], reserve: int = STEP):
         self.model, self.cache = model, cache
-        model.fuse_projections(ops.enabled("packed_weights"))  # outside the trace: a concatenation traced in would
-        # rerun every step
+        # Outside the trace: a concatenation traced in would rerun every step.
+        model.fuse_projections(ops.enabled("packed_weights"))
         self.kv_index = [i for i, c in enumerate(cache) if isinstance(c, KVCache)]
         self.state_index = [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
         self.offset = cache[self.kv_index[0]].offset if self.kv_index else 0

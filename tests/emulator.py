@@ -146,13 +146,12 @@ class Emulator:
         self.twins: dict[int, int] = {}  # internal case -> its packed twin's
 
     def add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups: bool = False,
-            read_back: tuple = (), packed: bool = False) -> int:
-        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed;
-        `packed`: spec's packed variant, each of its quantized weights packed (ops/packing.py). Returns the case
-        number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
-        n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, packed)
+            read_back: tuple = ()) -> int:
+        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed.
+        Returns the case number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
+        n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, False)
         self.plain.append(n)
-        if self.packed_twins and not packed and spec.weights and all(
+        if self.packed_twins and spec.weights and all(
                 packing.why_not(*(arrays[spec.input_names.index(name)] for name in t)) is None for t in spec.weights):
             self.twins[n] = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, True)
         return len(self.plain) - 1

@@ -92,7 +92,3 @@ def lookup(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[mx.array
     rw, rs, rb, packed = entry
     return packed if rw() is w and rs() is scales and rb() is biases else None
 
-
-def template(w: mx.array, scales: mx.array) -> tuple:
-    """What a kernel's packed input needs besides its shape: the scales' type and the words / elements a row."""
-    return scales.dtype, w.shape[-1], scales.shape[-1]
