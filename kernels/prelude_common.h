@@ -315,11 +315,5 @@ LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD f
 }
 
 // A packed quantized weight (lily_mlx/ops/packing.py): codes, scales, biases, each block starting at a multiple of
-// 4 words; its rows are the product of the packed array's leading dims (kernels.packed_preamble points into it).
-template <typename S>
-LILY_INLINE size_t lily_pw_rows(S shape, int ndim) {
-  size_t rows = 1;
-  for (int d = 0; d + 1 < ndim; ++d) rows *= static_cast<size_t>(shape[d]);
-  return rows;
-}
+// 4 words (kernels.packed_preamble points into it).
 LILY_INLINE size_t lily_pw_round(size_t words) { return (words + 3) & ~static_cast<size_t>(3); }

@@ -245,13 +245,23 @@ def packed_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequence
             [*template, *extra])
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_ndims(name: str) -> dict[str, int]:
+    """Each packed input's rank in packed variant `name` (a weight's rank is the same in every instance)."""
+    spec = SPECS[name]
+    inst = dict(zip(spec.input_names, spec.instances()[0].inputs))
+    return {w: len(inst[w + PACKED][1]) for w, _, _ in spec.weights}
+
+
 def packed_preamble(spec: KernelSpec, body_text: str) -> str:
     """A packed variant's first lines: each weight's codes, scales and biases as pointers into its packed input (the
-    layout of ops/packing.py), with the shapes and ndim the body reads of them."""
+    layout of ops/packing.py), with the shapes and ndim the body reads of them. Ranks are written in, so shapes are
+    constant-indexed arrays (registers) and rows a product of the packed input's leading dims."""
     lines = []
     for w, s, b in spec.weights:
-        p = w + PACKED
-        lines += [f"const size_t {p}_rows = lily_pw_rows({p}_shape, {p}_ndim);",
+        p, nd = w + PACKED, _packed_ndims(spec.name)[w]
+        lead = [f"int({p}_shape[{d}])" for d in range(nd - 1)]
+        lines += [f"const size_t {p}_rows = size_t({') * size_t('.join(lead)});",
                   f"const size_t {p}_s = lily_pw_round({p}_rows * {p}_wrow);",
                   f"const size_t {p}_b = {p}_s + lily_pw_round(({p}_rows * {p}_srow * sizeof({p}_st) + 3) / 4);",
                   f"const LILY_GLOBAL uint32_t* {w} = {p};",
@@ -261,11 +271,9 @@ def packed_preamble(spec: KernelSpec, body_text: str) -> str:
             if re.search(rf"\b{n}_strides\b", body_text):
                 raise ValueError(f"kernel {spec.name!r} reads {n}_strides: a packed weight has none to give")
             if re.search(rf"\b{n}_shape\b", body_text):
-                lines.append(f"int {n}_shape[8];")
-                lines.append(f"for (int d = 0; d < {p}_ndim; ++d) {n}_shape[d] = d + 1 < {p}_ndim ? int({p}_shape[d]) "
-                             f": {p}_{last};")
+                lines.append(f"const int {n}_shape[{nd}] = {{{', '.join(lead + [f'{p}_{last}'])}}};")
             if re.search(rf"\b{n}_ndim\b", body_text):
-                lines.append(f"const int {n}_ndim = {p}_ndim;")
+                lines.append(f"const int {n}_ndim = {nd};")
     return "\n".join(lines) + "\n"
 
 
