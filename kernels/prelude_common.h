@@ -245,14 +245,16 @@ LILY_INLINE float lily_warp_max(float v) {
 
 // An argmax candidate (value v, index i) against the best so far: the larger value wins, a tie goes to the smaller
 // index (the first maximum, as MLX's argmax), a NaN never wins.
-LILY_INLINE bool lily_beats(float v, float i, float bv, float bi) { return v > bv || (v == bv && i < bi); }
+template <typename I>
+LILY_INLINE bool lily_beats(float v, I i, float bv, I bi) { return v > bv || (v == bv && i < bi); }
 
-// The first maximum (v, i) over the 32 lanes of a warp, on every lane.
-LILY_INLINE void lily_warp_argmax(LILY_THREAD float& v, LILY_THREAD float& i) {
+// The first maximum (v, i) over the 32 lanes of a warp, on every lane (i a float or an int index).
+template <typename I>
+LILY_INLINE void lily_warp_argmax(LILY_THREAD float& v, LILY_THREAD I& i) {
   LILY_UNROLL
   for (int off = 16; off > 0; off >>= 1) {
     const float ov = lily_shfl_xor(v, off);
-    const float oi = lily_shfl_xor(i, off);
+    const I oi = lily_shfl_xor(i, off);
     if (lily_beats(ov, oi, v, i)) {
       v = ov;
       i = oi;
@@ -282,15 +284,7 @@ LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD f
         bi = i * 32 + lane;
       }
     }
-    LILY_UNROLL
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = lily_shfl_xor(bv, off);
-      const int oi = lily_shfl_xor(bi, off);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    lily_warp_argmax(bv, bi);
     if (j == 0) top = bv;
     ids[j] = bi;
     weights[j] = bv;
