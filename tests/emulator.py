@@ -121,14 +121,18 @@ def case_source(case: int, spec, inst, kname: str, arrays, grid, group, out_shap
 
 
 def packed_launch(spec, inst, arrays, read_back: tuple = ()):
-    """(spec's packed variant, its instance, its inputs, read_back renumbered) for a launch of spec."""
-    at = {n: i for i, n in enumerate(spec.input_names)}
-    swap = {at[w]: packing.pack(arrays[at[w]], arrays[at[s]], arrays[at[b]])[0] for w, s, b in spec.weights}
-    keep = [i for i, n in enumerate(spec.input_names) if not any(n in (s, b) for _, s, b in spec.weights)]
-    inst = kernels.packed_instance(spec, inst)
-    assert inst is not None, f"{spec.name}: a weight of this instance cannot be packed"
-    return (kernels.SPECS[spec.name + kernels.PACKED], inst, [swap.get(i, arrays[i]) for i in keep],
-            tuple(keep.index(i) for i in read_back))
+    """(spec's packed variant, its instance, its inputs, read_back renumbered) for a launch of spec: each weight
+    packed, then swapped as kernels.call swaps it (kernels.packed_args)."""
+    views = list(arrays)
+    for triple in spec.weights:
+        at = [spec.input_names.index(n) for n in triple]
+        for i, v in zip(at, packing.pack(*(arrays[i] for i in at))[1:]):
+            views[i] = v
+    name, inputs, template = kernels.packed_args(spec, views, inst.template)
+    packed_inst = kernels.packed_instance(spec, inst)  # the build's shapes (bucketed rows), not the launch's
+    assert packed_inst.template == tuple(template), f"{spec.name}: the launch's template is not the build's"
+    back = tuple(next(j for j, a in enumerate(inputs) if a is views[i]) for i in read_back)
+    return kernels.SPECS[name], packed_inst, inputs, back
 
 
 class Emulator:
