@@ -16,7 +16,7 @@ import re
 import mlx.core as mx
 import pytest
 
-from bench.step_dispatch import layer_stack
+from bench import step_dispatch
 from lily_mlx import ops
 from lily_mlx.decode import CompiledDecoder
 from lily_mlx.ops import attn_decode, kernels
@@ -59,7 +59,7 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     and step (30 fewer; dn_chain 1), deltanet_chain_out its output projection too (60 fewer; dn_chain 2), attn_chain
     each attention layer's input projection, attention and output projection (20 fewer)."""
     cached = 8
-    model = layer_stack()
+    model = step_dispatch.layer_stack()
     cache = model.make_cache()
     model(mx.array([list(range(1, cached + 1))]), cache=cache)  # the real prefill, on the CPU
     with ops.switched("stacked_kv", stacked), ops.switched("packed_weights", packed):
@@ -74,8 +74,8 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
         assert name.endswith(kernels.PACKED) == (packed and bool(kernels.SPECS[name].weights)), f"{name}: packed?"
         standin_outputs[0] += len(output_shapes)
         edges[0] += len(inputs)
-        outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
-        return mx.depends(outs, list(inputs))
+        return step_dispatch.standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes,
+                                     init_value, smem)
 
     monkeypatch.setattr(kernels, "launch", standin)  # after kernels.call's checks and its packed-weight swap
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
