@@ -135,34 +135,54 @@ def packed_launch(spec, inst, arrays, read_back: tuple = ()):
     return kernels.SPECS[name], packed_inst, inputs, back
 
 
+def bundled_launch(spec, inst, arrays, read_back: tuple = ()):
+    """(spec's bundled variant, its instance, its inputs, read_back renumbered) for a launch of spec: its constant
+    inputs bundled, then swapped as kernels.call swaps them (kernels.bundled_args)."""
+    named = dict(zip(spec.input_names, arrays))
+    members = kernels.bundle_members(spec, named)
+    triples = {w: (w, s, b) for w, s, b in spec.weights}
+    for m, view in zip(spec.bundle, packing.bundle(members)[1]):
+        named.update(zip(triples[m], view) if m in triples else [(m, view)])
+    views = [named[n] for n in spec.input_names]
+    name, inputs, template = kernels.bundled_args(spec, views, inst.template)
+    bundled_inst = kernels.bundled_instance(spec, inst)
+    assert bundled_inst.template == tuple(template), f"{spec.name}: the launch's template is not the build's"
+    back = tuple(next(j for j, a in enumerate(inputs) if a is views[i]) for i in read_back)
+    return kernels.SPECS[name], bundled_inst, inputs, back
+
+
 class Emulator:
     """Collects launches of any registered kernels, builds one emulator binary, runs every case."""
 
     def __init__(self, tmp_path: Path, packed_twins: bool = False):
         """packed_twins: each launch whose quantized weights pack is run again through its kernel's packed variant
-        (ops/packing.py), and run() checks the two bit for bit."""
+        (ops/packing.py), and through its bundled variant where it has one, and run() checks each twin bit for bit
+        against the launch."""
         self.dir = Path(tmp_path)
         self.sources: dict[str, str] = {}
         self.calls: list[str] = []
         self.outputs: list[list[tuple[tuple, mx.Dtype]]] = []
         self.packed_twins = packed_twins
         self.plain: list[int] = []  # the internal case of each add(), in order
-        self.twins: dict[int, int] = {}  # internal case -> its packed twin's
+        self.twins: list[tuple[int, int, str]] = []  # (internal case, its twin's, "packed" or "bundled")
 
     def add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups: bool = False,
             read_back: tuple = ()) -> int:
         """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed.
         Returns the case number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
-        n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, False)
+        n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, None)
         self.plain.append(n)
         if self.packed_twins and spec.weights and all(
                 packing.why_not(*(arrays[spec.input_names.index(name)] for name in t)) is None for t in spec.weights):
-            self.twins[n] = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, True)
+            for twin in ("packed", "bundled") if spec.bundle else ("packed",):
+                self.twins.append((n, self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups,
+                                                read_back, twin), twin))
         return len(self.plain) - 1
 
-    def _add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, packed) -> int:
-        if packed:
-            spec, inst, arrays, read_back = packed_launch(spec, inst, arrays, read_back)
+    def _add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, twin) -> int:
+        if twin is not None:
+            variant = packed_launch if twin == "packed" else bundled_launch
+            spec, inst, arrays, read_back = variant(spec, inst, arrays, read_back)
         n = len(self.calls)
         for i, a in enumerate(arrays):
             to_numpy(a).tofile(self.dir / f"{n}_in{i}.bin")
@@ -187,8 +207,8 @@ class Emulator:
             results.append([_from_file(self.dir / f"{n}_out{o}.bin", d, s) for o, (s, d) in enumerate(outs)])
         if self.packed_twins:
             assert self.twins, "packed_twins: no launch had weights that pack"
-            for n, t in self.twins.items():
+            for n, t, twin in self.twins:
                 for o, (a, b) in enumerate(zip(results[n], results[t])):
                     assert np.array_equal(to_numpy(a), to_numpy(b), equal_nan=True), \
-                        f"case {n}: output {o} differs with its weights packed"
+                        f"case {n}: output {o} differs with its weights {twin}"
         return [results[n] for n in self.plain]

@@ -179,19 +179,21 @@ def _instances(fold: bool) -> list[kernels.Instance]:
 
 
 _WEIGHTS = (("w", "scales", "biases"), ("wo", "so", "bo"))
+_BUNDLE = ("w", "nw", "qn", "kn", "wo")
 _INPUTS = ("x", "w", "scales", "biases", "nw") + ad.SPEC.input_names[1:] + ("wo", "so", "bo", "res", "sync")
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_chain", body="attn_chain.inc", input_names=_INPUTS,
     output_names=ad.SPEC.output_names[1:] + ("proj", "h"), template_params=SPEC_PARAMS,
     description="a gated-attention layer's decode half in one launch: input norm, fused q|k|v projection, split "
                 "attention, the splits' merge inside o_proj, the residual add",
-    instances=lambda: _instances(True), defines=("LILY_CHAIN",), weights=_WEIGHTS,
+    instances=lambda: _instances(True), defines=("LILY_CHAIN",), weights=_WEIGHTS, bundle=_BUNDLE,
 ))
 LONG_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_chain_long", body="attn_chain.inc", input_names=_INPUTS,
     output_names=ad.SPEC.output_names[1:] + ("proj", "out", "h"), template_params=SPEC_PARAMS,
     description="attn_chain for a finely split cache: the splits merged once (attn_combine's body), then o_proj",
     instances=lambda: _instances(False), defines=("LILY_CHAIN", "LILY_CHAIN_COMBINE"), weights=_WEIGHTS,
+    bundle=_BUNDLE,
 ))
 
 

@@ -166,13 +166,14 @@ def _instances(out: bool) -> list[kernels.Instance]:
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
+_BUNDLE = ("w", "nw", "conv_weight", "A_log", "dt_bias", "norm_weight")  # the layer's constants, ahead of the step
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_chain", body="deltanet_chain.inc",
     input_names=("x", "w", "scales", "biases", "nw") + ds.SPEC.input_names[1:] + ("sync",),
     output_names=ds.SPEC.output_names + ("proj",), template_params=SPEC_PARAMS,
     description="a Gated DeltaNet decode token in one launch: input norm, fused projection, the step",
     instances=lambda: _instances(False), defines=("LILY_CHAIN",),
-    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"),),
+    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"),), bundle=_BUNDLE,
 ))
 OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_chain_out", body="deltanet_chain.inc",
@@ -182,6 +183,7 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
                 "the residual add",
     instances=lambda: _instances(True), defines=("LILY_CHAIN", "LILY_CHAIN_OUT"),
     cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"), ("wo", "so", "bo")),
+    bundle=_BUNDLE + ("wo",),
 ))
 
 

@@ -97,6 +97,10 @@ class KernelSpec:
     # register_spec then registers this spec's packed variant too, <name>_pw, each triple one input <codes>_pw.
     weights: tuple[tuple[str, str, str], ...] = ()
     packed_from: str = ""  # a packed variant: the spec it was made from
+    # Constant inputs (a weight by its codes' name) that may arrive as one bundle (packing.bundle): register_spec
+    # then registers <name>_pb too, which takes them as one input, `bundle`, at offsets its template gives.
+    bundle: tuple[str, ...] = ()
+    bundled_from: str = ""  # a bundled variant: the spec it was made from
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -172,8 +176,10 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
     if spec.name in SPECS and SPECS[spec.name] != spec:
         raise ValueError(f"kernel {spec.name!r} is registered twice with different specs")
     SPECS[spec.name] = spec
-    if spec.weights and not spec.packed_from:
+    if spec.weights and not (spec.packed_from or spec.bundled_from):
         register_spec(packed_spec(spec))
+    if spec.bundle and not spec.bundled_from:
+        register_spec(bundled_spec(spec))
     return spec
 
 
@@ -202,7 +208,7 @@ def packed_spec(spec: KernelSpec) -> KernelSpec:
     params = spec.template_params + tuple(n for w, _, _ in spec.weights for n, _ in _layout_template(w, mx.uint32, 0, 0))
     return dataclasses.replace(spec, name=spec.name + PACKED, input_names=names, template_params=params,
                                description=spec.description + "; its quantized weights packed",
-                               instances=functools.partial(_packed_instances, spec), packed_from=spec.name)
+                               instances=functools.partial(_packed_instances, spec), packed_from=spec.name, bundle=())
 
 
 def _packed_instances(spec: KernelSpec) -> list[Instance]:
@@ -261,20 +267,141 @@ def packed_preamble(spec: KernelSpec, body_text: str) -> str:
     for w, s, b in spec.weights:
         p, nd = w + PACKED, _packed_ndims(spec.name)[w]
         lead = [f"int({p}_shape[{d}])" for d in range(nd - 1)]
-        lines += [f"const size_t {p}_rows = size_t({') * size_t('.join(lead)});",
-                  f"const size_t {p}_s = lily_pw_round({p}_rows * {p}_wrow);",
-                  f"const size_t {p}_b = {p}_s + lily_pw_round(({p}_rows * {p}_srow * sizeof({p}_st) + 3) / 4);",
-                  f"const LILY_GLOBAL uint32_t* {w} = {p};",
-                  f"const LILY_GLOBAL {p}_st* {s} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_s);",
-                  f"const LILY_GLOBAL {p}_st* {b} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_b);"]
-        for n, last in ((w, "wrow"), (s, "srow"), (b, "srow")):
-            if re.search(rf"\b{n}_strides\b", body_text):
-                raise ValueError(f"kernel {spec.name!r} reads {n}_strides: a packed weight has none to give")
-            if re.search(rf"\b{n}_shape\b", body_text):
-                lines.append(f"const int {n}_shape[{nd}] = {{{', '.join(lead + [f'{p}_{last}'])}}};")
-            if re.search(rf"\b{n}_ndim\b", body_text):
-                lines.append(f"const int {n}_ndim = {nd};")
+        lines += _weight_lines(spec, (w, s, b), lead, body_text)
     return "\n".join(lines) + "\n"
+
+
+def _weight_lines(spec: KernelSpec, triple: tuple[str, str, str], lead: list[str], body_text: str) -> list[str]:
+    """The preamble lines pointing a weight's codes, scales and biases into its packed block `<codes>_pw` (its
+    leading dims the expressions `lead`), and the shapes and ndim the body reads of them."""
+    w, s, b = triple
+    p, nd = w + PACKED, len(lead) + 1
+    lines = [f"const size_t {p}_rows = size_t({') * size_t('.join(lead)});",
+             f"const size_t {p}_s = lily_pw_round({p}_rows * {p}_wrow);",
+             f"const size_t {p}_b = {p}_s + lily_pw_round(({p}_rows * {p}_srow * sizeof({p}_st) + 3) / 4);",
+             f"const LILY_GLOBAL uint32_t* {w} = {p};",
+             f"const LILY_GLOBAL {p}_st* {s} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_s);",
+             f"const LILY_GLOBAL {p}_st* {b} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_b);"]
+    for n, last in ((w, "wrow"), (s, "srow"), (b, "srow")):
+        if re.search(rf"\b{n}_strides\b", body_text):
+            raise ValueError(f"kernel {spec.name!r} reads {n}_strides: a packed weight has none to give")
+        if re.search(rf"\b{n}_shape\b", body_text):
+            lines.append(f"const int {n}_shape[{nd}] = {{{', '.join(lead + [f'{p}_{last}'])}}};")
+        if re.search(rf"\b{n}_ndim\b", body_text):
+            lines.append(f"const int {n}_ndim = {nd};")
+    return lines
+
+
+BUNDLED = "_pb"  # a bundled variant's suffix
+
+
+def _triples(spec: KernelSpec) -> dict[str, tuple[str, str, str]]:
+    return {w: (w, s, b) for w, s, b in spec.weights}
+
+
+def bundled_spec(spec: KernelSpec) -> KernelSpec:
+    """spec with its constant inputs (spec.bundle) taken as one input, `bundle`: the same body, after a preamble that
+    points each of them into it (bundled_preamble). Its template adds each member's offset (<name>_at) and, for a
+    weight, its packed layout and rows; for an array, its type (<name>_t)."""
+    triples = _triples(spec)
+    missing = [n for n in spec.bundle if n not in spec.input_names]
+    if missing or "bundle" in spec.input_names:
+        raise ValueError(f"kernel {spec.name!r}: bundle {spec.bundle} names inputs it does not have: {missing}")
+    gone = {n for m in spec.bundle for n in triples.get(m, (m,))}
+    first = min(spec.input_names.index(n) for n in gone)
+    names = tuple("bundle" if i == first else n for i, n in enumerate(spec.input_names) if n not in gone or i == first)
+    params = spec.template_params + tuple(n for m in spec.bundle for n, _ in _member_template(m, m in triples, 0, None))
+    return dataclasses.replace(spec, name=spec.name + BUNDLED, input_names=names, template_params=params,
+                               description=spec.description + "; its constant inputs bundled as one array",
+                               instances=functools.partial(_bundled_instances, spec), weights=(), bundle=(),
+                               bundled_from=spec.name)
+
+
+def _member_template(m: str, weight: bool, at: int, shaped) -> list[tuple[str, TemplateArg]]:
+    """A bundle member's template arguments: its word offset, then a weight's packed layout and rows (shaped: its
+    codes and scales) or an array's type (shaped: the array); shaped None gives the names only."""
+    if weight:
+        wsh, ssh = (shaped[0].shape, shaped[1].shape) if shaped is not None else ((0, 0), (0, 0))
+        return [(f"{m}_at", at), *_layout_template(m, shaped[1].dtype if shaped is not None else mx.uint32, wsh[-1], ssh[-1]),
+                (f"{m}_bundle_rows", math.prod(wsh[:-1]))]
+    return [(f"{m}_at", at), (f"{m}_t", shaped.dtype if shaped is not None else mx.uint32)]
+
+
+def bundle_members(spec: KernelSpec, named: dict) -> list:
+    """spec's bundle members from its inputs by name: an input, or a weight's (codes, scales, biases)."""
+    triples = _triples(spec)
+    return [tuple(named[n] for n in triples[m]) if m in triples else named[m] for m in spec.bundle]
+
+
+def _bundled_template(spec: KernelSpec, members: list, starts: list[int]) -> list[tuple[str, TemplateArg]]:
+    return [a for m, member, at in zip(spec.bundle, members, starts)
+            for a in _member_template(m, packing.is_weight(member), at, member[:2] if packing.is_weight(member)
+                                      else member)]
+
+
+def _bundled_instances(spec: KernelSpec) -> list[Instance]:
+    """The bundled variant's instances for the compile checks: one per member types (its preamble depends on nothing
+    else; the body's every other instance is compiled as the plain spec's)."""
+    insts = [bundled_instance(spec, i) for i in spec.instances()]
+    return unique_instances([i for i in insts if i is not None],
+                            key=lambda i: tuple(v for n, v in i.template if n.endswith(("_t", "_st"))))
+
+
+def bundled_instance(spec: KernelSpec, inst: Instance) -> Optional[Instance]:
+    """The instance of spec's bundled variant for an instance of spec (None where its members cannot bundle)."""
+    named = {n: Shaped(sh, d) for n, (d, sh) in zip(spec.input_names, inst.inputs)}
+    members = bundle_members(spec, named)
+    try:
+        starts, total = packing.layout(members)
+    except ValueError:
+        return None
+    variant = SPECS[spec.name + BUNDLED]
+    shaped = {**dict(zip(spec.input_names, inst.inputs)), "bundle": (mx.uint32, (total,))}
+    return Instance(inst.template + tuple(_bundled_template(spec, members, starts)),
+                    tuple(shaped[n] for n in variant.input_names), inst.output_dtypes)
+
+
+def bundled_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequence[tuple[str, TemplateArg]]):
+    """(variant name, inputs, template) of the bundled variant for a launch of spec whose every bundle member is in
+    one bundle (packing.bundled; a weight through its packed array, packing.lookup), else None."""
+    named = dict(zip(spec.input_names, inputs))
+    members = bundle_members(spec, named)
+    blob, starts = None, []
+    for member in members:
+        head = packing.lookup(*member) if packing.is_weight(member) else member
+        found = None if head is None else packing.bundled(head)
+        if found is None or (blob is not None and found[0] is not blob):
+            return None
+        blob = found[0]
+        starts.append(found[1])
+    named["bundle"] = blob
+    return (spec.name + BUNDLED, [named[n] for n in SPECS[spec.name + BUNDLED].input_names],
+            [*template, *_bundled_template(spec, members, starts)])
+
+
+def bundled_preamble(spec: KernelSpec, body_text: str) -> str:
+    """A bundled variant's first lines: each member as a pointer into `bundle` at its offset; a weight's codes,
+    scales and biases as packed_preamble points them (its rows from the template)."""
+    triples, lines = _triples(spec), []
+    for m in spec.bundle:
+        if m in triples:
+            if re.search(rf"\b({'|'.join(triples[m])})_shape\b", body_text) and _weight_ndims(spec.name)[m] != 2:
+                raise ValueError(f"kernel {spec.name!r} reads the shape of bundled weight {m!r} of rank > 2")
+            lines.append(f"const LILY_GLOBAL uint32_t* {m}{PACKED} = bundle + {m}_at;")
+            lines += _weight_lines(spec, triples[m], [f"{m}_bundle_rows"], body_text)
+        else:
+            if re.search(rf"\b{m}_(shape|strides|ndim)\b", body_text):
+                raise ValueError(f"kernel {spec.name!r} reads the shape of {m!r}: a bundled array has none to give")
+            lines.append(f"const LILY_GLOBAL {m}_t* {m} = reinterpret_cast<const LILY_GLOBAL {m}_t*>(bundle + {m}_at);")
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_ndims(name: str) -> dict[str, int]:
+    """Each weight's rank in spec `name` (the same in every instance)."""
+    spec = SPECS[name]
+    inst = dict(zip(spec.input_names, spec.instances()[0].inputs))
+    return {w: len(inst[w][1]) for w, _, _ in spec.weights}
 
 
 def _check_backend(backend: str) -> None:
@@ -385,7 +512,10 @@ def expand(filename: str, defines: Sequence[str]) -> str:
 def body(spec: KernelSpec, backend: str) -> str:
     _check_backend(backend)
     text = expand(spec.body, spec.defines)
-    preamble = packed_preamble(spec, text) if spec.packed_from else ""
+    if spec.bundled_from:
+        preamble = bundled_preamble(SPECS[spec.bundled_from], text)
+    else:
+        preamble = packed_preamble(spec, text) if spec.packed_from else ""
     return read_source(f"entry_{backend}.inc") + "\n" + preamble + text
 
 
@@ -474,10 +604,13 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
                          f"{spec.cuda_launch_bounds[0]}")
     from . import enabled
 
-    if spec.weights and not spec.packed_from and enabled("packed_weights"):
-        packed = packed_args(spec, inputs, template)
-        if packed is not None:
-            name, inputs, template = packed
+    swapped = None
+    if spec.bundle and not spec.bundled_from and enabled("bundled_weights"):
+        swapped = bundled_args(spec, inputs, template)
+    if swapped is None and spec.weights and not spec.packed_from and enabled("packed_weights"):
+        swapped = packed_args(spec, inputs, template)
+    if swapped is not None:
+        name, inputs, template = swapped
     return launch(name, backend, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value,
                   shared_memory if backend == "cuda" else 0)
 

@@ -146,6 +146,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a decode step's MoE block in one launch: router, routed and shared gate/up, down, combine, residual",
     instances=_instances, defines=("LILY_MOE_PACKED", "LILY_CHAIN"),
     weights=moe.ROUTER_WEIGHTS + moe.GATE_UP_WEIGHTS + moe.DOWN_WEIGHTS,
+    bundle=("nw", "wr", "wg", "wu", "swg", "swu", "wd", "swd"),
 ))
 
 

@@ -9,18 +9,24 @@ before.
 
 A packed array of a weight [*lead, WROW] uint32 with scales/biases [*lead, SROW] has shape [*lead, R]: its leading
 dims are the weight's, which is how a kernel learns the rows at run time; R only makes the size cover the blocks.
+
+A bundle goes further for the decode chains (kernels.KernelSpec.bundle): every constant input of one launch (its
+packed weights, norm weights, a DeltaNet layer's conv weight, A_log and dt_bias) in one array, read at offsets the
+launch passes as template arguments; a layer's chain launch then takes one constant instead of up to 22.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
 ALIGN_WORDS = 4  # 16 bytes: every block starts where a 16-byte load may read it
 _PACKED: dict[int, tuple] = {}  # id(codes view) -> (weakref codes, weakref scales, weakref biases, packed)
+_BUNDLED: dict[int, tuple] = {}  # id(member view) -> (weakref view, bundle, word offset)
+_MAX_WORDS = 2**31 - 1
 
 
 def _round_up(n: int) -> int:
@@ -48,40 +54,56 @@ def why_not(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[str]:
     return None
 
 
-def pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """(packed, w', scales', biases'): the packed array and views of it equal to the inputs, evaluated. Callers put
-    the views where the inputs were; lookup(w', scales', biases') then finds the packed array."""
+def _triple_parts(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[list, int]:
+    """(uint32 parts, R): a quantized weight's packed layout as parts to concatenate, [*lead, R] words in all."""
     reason = why_not(w, scales, biases)
     if reason is not None:
         raise ValueError(f"cannot pack this quantized weight: {reason}")
-    lead = w.shape[:-1]
-    rows, wrow, n_scales = math.prod(lead), w.shape[-1], scales.size
-    per_word = 4 // scales.dtype.size
+    rows, wrow, n_scales = math.prod(w.shape[:-1]), w.shape[-1], scales.size
     s_at, b_at, end = offsets(rows, wrow, scales.shape[-1], scales.dtype.size)
     R = -(-end // rows)
+    s_words = -(-n_scales * scales.dtype.size // 4)
+    parts = [w.reshape(-1), *_zeros(s_at - rows * wrow), _words(scales), *_zeros(b_at - s_at - s_words),
+             _words(biases), *_zeros(rows * R - b_at - s_words)]
+    return parts, R
 
-    def words(a: mx.array) -> mx.array:  # a's elements as uint32 words, the last one zero-filled
-        flat = a.reshape(-1)
-        tail = -n_scales % per_word
-        return (mx.concatenate([flat, mx.zeros((tail,), dtype=a.dtype)]) if tail else flat).view(mx.uint32)
 
-    def pad(n: int) -> list:
-        return [mx.zeros((n,), dtype=mx.uint32)] if n else []
+def _words(a: mx.array) -> mx.array:
+    """a's elements as uint32 words, the last one zero-filled."""
+    flat = a.reshape(-1)
+    tail = -a.size % (4 // a.dtype.size)
+    return (mx.concatenate([flat, mx.zeros((tail,), dtype=a.dtype)]) if tail else flat).view(mx.uint32)
 
-    s_words = -(-n_scales // per_word)
-    parts = [w.reshape(-1), *pad(s_at - rows * wrow), words(scales), *pad(b_at - s_at - s_words), words(biases),
-             *pad(rows * R - b_at - s_words)]
-    packed = mx.concatenate(parts).reshape(*lead, R)
-    mx.eval(packed)
+
+def _zeros(n: int) -> list:
+    return [mx.zeros((n,), dtype=mx.uint32)] if n else []
+
+
+def _view(flat: mx.array, at: int, like: mx.array) -> mx.array:
+    """The array like `like` (shape, dtype) stored from word `at` of the uint32 array flat."""
+    words = -(-like.size * like.dtype.size // 4)
+    return flat[at:at + words].view(like.dtype)[:like.size].reshape(like.shape)
+
+
+def _triple_views(packed: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
+    """Views of packed ([*lead, R], pack's layout) equal to w, scales, biases, evaluated and registered for lookup."""
     flat = packed.reshape(-1)
-    views = (flat[:rows * wrow].reshape(w.shape),
-             flat[s_at:s_at + s_words].view(scales.dtype)[:n_scales].reshape(scales.shape),
-             flat[b_at:b_at + s_words].view(biases.dtype)[:n_scales].reshape(biases.shape))
+    s_at, b_at, _ = offsets(math.prod(w.shape[:-1]), w.shape[-1], scales.shape[-1], scales.dtype.size)
+    views = (_view(flat, 0, w), _view(flat, s_at, scales), _view(flat, b_at, biases))
     mx.eval(*views)
     key = id(views[0])
     _PACKED[key] = (*(weakref.ref(v) for v in views), packed)
     weakref.finalize(views[0], _PACKED.pop, key, None)
-    return (packed, *views)
+    return views
+
+
+def pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(packed, w', scales', biases'): the packed array and views of it equal to the inputs, evaluated. Callers put
+    the views where the inputs were; lookup(w', scales', biases') then finds the packed array."""
+    parts, R = _triple_parts(w, scales, biases)
+    packed = mx.concatenate(parts).reshape(*w.shape[:-1], R)
+    mx.eval(packed)
+    return (packed, *_triple_views(packed, w, scales, biases))
 
 
 def lookup(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[mx.array]:
@@ -92,3 +114,71 @@ def lookup(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[mx.array
     rw, rs, rb, packed = entry
     return packed if rw() is w and rs() is scales and rb() is biases else None
 
+
+
+Member = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # an array, or a quantized weight's three
+
+
+def is_weight(m) -> bool:
+    """Whether a bundle member is a quantized weight's (codes, scales, biases), not one array."""
+    return type(m) is tuple  # kernels.Shaped, a named tuple, is one array
+
+
+def _member_words(m) -> tuple[int, int]:
+    """(words, R) a bundle member takes before alignment (R: a weight's packed row length, else 0). m may be known
+    by shape and dtype only (kernels.Shaped)."""
+    if is_weight(m):
+        w, s, b = m
+        reason = why_not(w, s, b)
+        if reason is not None:
+            raise ValueError(f"cannot bundle this quantized weight: {reason}")
+        rows = math.prod(w.shape[:-1])
+        R = -(-offsets(rows, w.shape[-1], s.shape[-1], s.dtype.size)[2] // rows)
+        return rows * R, R
+    if m.dtype.size > 4 or 4 % m.dtype.size:
+        raise ValueError(f"cannot bundle a {m.dtype} array {tuple(m.shape)}: its elements do not tile 4-byte words")
+    return -(-m.size * m.dtype.size // 4), 0
+
+
+def layout(members: Sequence) -> tuple[list[int], int]:
+    """(each member's word offset, the bundle's words): members in order, each from a 16-byte boundary."""
+    starts, at = [], 0
+    for m in members:
+        starts.append(at)
+        at += _round_up(_member_words(m)[0])
+    if at > _MAX_WORDS:
+        raise ValueError(f"a bundle of {at} words, past {_MAX_WORDS}: kernels take its offsets as int")
+    return starts, at
+
+
+def bundle(members: Sequence[Member]) -> tuple[mx.array, list]:
+    """(bundle, views): a launch's constant inputs in one uint32 array at layout()'s offsets. A member is an array
+    (of 1, 2 or 4-byte elements) or a quantized weight's (codes, scales, biases), laid out as pack() lays it out.
+    views: per member, an array equal to it (or the weight's three, whose packed array lookup finds), all views of
+    the bundle and evaluated; bundled() gives a member's (bundle, word offset)."""
+    starts, total = layout(members)
+    parts = []
+    for m, start, end in zip(members, starts, starts[1:] + [total]):
+        parts += _triple_parts(*m)[0] if is_weight(m) else [_words(m)]
+        parts += _zeros(end - start - _member_words(m)[0])
+    blob = mx.concatenate(parts)
+    mx.eval(blob)
+    views = []
+    for m, start in zip(members, starts):
+        if is_weight(m):
+            words, R = _member_words(m)
+            head = blob[start:start + words].reshape(*m[0].shape[:-1], R)
+            views.append(_triple_views(head, *m))
+        else:
+            head = _view(blob, start, m)
+            mx.eval(head)
+            views.append(head)
+        _BUNDLED[id(head)] = (weakref.ref(head), blob, start)
+        weakref.finalize(head, _BUNDLED.pop, id(head), None)
+    return blob, views
+
+
+def bundled(a: mx.array) -> Optional[tuple[mx.array, int]]:
+    """(bundle, word offset) when a is a member view bundle() made (a weight's: its packed array), else None."""
+    entry = _BUNDLED.get(id(a))
+    return entry[1:] if entry is not None and entry[0]() is a else None
