@@ -35,7 +35,8 @@ NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_v
               num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 CHAINS = ("moe_chain", "deltanet_chain_out", "attn_chain")
 CONFIGS = {"defaults": (), "packed_weights": ("packed_weights",), "chains": CHAINS,
-           "chains+packed_weights": CHAINS + ("packed_weights",)}
+           "chains+packed_weights": CHAINS + ("packed_weights",),
+           "chains+packed+bundled": CHAINS + ("packed_weights", "bundled_weights")}
 
 
 def layer_stack():
@@ -61,8 +62,8 @@ def standin(name, backend, inputs, template, grid, group, output_shapes, output_
 
 
 def decoder(model, switches: tuple, capacity: int) -> tuple:
-    """(a compiled decoder over an 8-token prefill traced under `switches`, the input count of each launch it
-    traced)."""
+    """(a compiled decoder over an 8-token prefill traced under `switches`, (kernel, input count) of each launch
+    it traced)."""
     from lily_mlx import ops
     from lily_mlx.decode import CompiledDecoder
     from lily_mlx.ops import kernels
@@ -74,7 +75,7 @@ def decoder(model, switches: tuple, capacity: int) -> tuple:
         for n in switches:
             stack.enter_context(ops.switched(n, True))
         dec = CompiledDecoder(model, cache, reserve=capacity)
-        with mock.patch.object(kernels, "launch", lambda *a: launched.append(len(a[2])) or standin(*a)):
+        with mock.patch.object(kernels, "launch", lambda *a: launched.append((a[0], len(a[2]))) or standin(*a)):
             mx.eval(dec(mx.array([[1]])))  # the trace
     return dec, launched
 
@@ -108,7 +109,7 @@ def measure(rounds: int, steps: int) -> dict:
         decoders = {}
         for name, switches in CONFIGS.items():
             decoders[name], launched = decoder(model, switches, rounds * (steps + 2) + 8)
-            counts[name] = {"launches": len(launched), "kernel_inputs": sum(launched)}
+            counts[name] = {"launches": len(launched), "kernel_inputs": sum(n for _, n in launched)}
         times = {name: [] for name in CONFIGS}
         for r in range(rounds):
             for name in (list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))):

@@ -173,6 +173,10 @@ class CompiledDecoder:
         if self.stacked:  # [P*B, Hkv, capacity, D]: plane p holds attention layer p's B rows
             self.kv = [(mx.concatenate([k for k, _ in self.kv]), mx.concatenate([v for _, v in self.kv]))]
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
+        if ops.enabled("bundled_weights"):  # outside the trace too: the trace then holds the bundles as constants
+            B = cache[self.kv_index[0]].keys.shape[0] if self.kv_index else cache[self.state_index[0]][0].shape[0]
+            tokens, offset = mx.zeros((B, 1), dtype=mx.int32), mx.array([self.offset], dtype=mx.int32)
+            model.bundle_weights(lambda: self._step(tokens, offset, *_flatten(self.kv, self.states)))
         self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, self._kind())
 
     @staticmethod

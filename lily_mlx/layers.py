@@ -202,15 +202,21 @@ class FusedLinears:
         a = self.arrays
         if pack and self._packable(a):
             _, a["weight"], a["scales"], a["biases"] = packing.pack(a["weight"], a["scales"], a["biases"])
+        self.assign(self.arrays)
+        return True
+
+    def assign(self, arrays: dict[str, mx.array]) -> None:
+        """Take `arrays` (equal to the fused ones, e.g. views of a bundle) as the concatenation, and give each part
+        its slices of them."""
+        self.arrays = dict(arrays)
         start, views = 0, []
-        for p in parts:
+        for p in self.parts():
             n = p["weight"].shape[0]
-            view = {k: self.arrays[k][start:start + n] for k in keys}
+            view = {k: self.arrays[k][start:start + n] for k in sorted(self.arrays)}
             p.update(view)
-            views.append(tuple(view[k] for k in keys))
+            views.append(tuple(view[k] for k in sorted(self.arrays)))
             start += n
         self.views = tuple(views)
-        return True
 
     @staticmethod
     def _packable(a: dict) -> bool:

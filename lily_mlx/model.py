@@ -31,6 +31,10 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
 # a quantized weight is one of each instead of three. Opt-in until the H200 has run the packed kernel variants.
 ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
                     "decode kernels as one input", default_on=False)
+# Further: every constant input of a decode chain launch (a layer's weights and norms) in one array, so a chain
+# launch takes 3-7 inputs instead of 10-14 and the step ~80 constants instead of ~740. Opt-in like packed_weights.
+ops.register_switch("bundled_weights", "each decode chain launch's constant inputs (packed weights, norm weights, "
+                    "DeltaNet conv weight, A_log, dt_bias) in one array, read as one input", default_on=False)
 
 
 # New tokens after a cache that already holds some take the decode kernels (each DeltaNet or attention layer one
@@ -452,6 +456,55 @@ class Model(nn.Module):
                 m.update({"weight": w, "scales": s, "biases": b})
                 n += 1
         return n
+
+    def bundle_weights(self, run) -> int:
+        """Bundle the constant inputs of each launch that run() makes whose kernel takes them as one
+        (kernels.KernelSpec.bundle; ops/packing.py): the model's arrays become views of the bundle, which that
+        kernel's bundled variant then takes. run() is traced with nothing launched (kernels.captured), so it may be
+        any decode step. A launch whose inputs are not all the model's own arrays is left alone. Values are
+        unchanged and nothing is held twice. Returns how many bundles were made."""
+        from .ops import kernels
+
+        with kernels.captured() as launches:
+            run()
+        made = 0
+        while launches:  # popped, so each layer's old arrays go as its bundle is made (peak: weights + a bundle)
+            spec, inputs = launches.pop(0)
+            if not spec.bundle or kernels.bundled_args(spec, inputs, []) is not None:
+                continue
+            members = kernels.bundle_members(spec, dict(zip(spec.input_names, inputs)))
+            old = [a for m in members for a in (m if packing.is_weight(m) else (m,))]
+            places = self._array_places()
+            if any(id(a) not in places for a in old) or any(
+                    packing.why_not(*m) is not None for m in members if packing.is_weight(m)):
+                continue
+            views = packing.bundle(members)[1]
+            new = [a for v in views for a in (v if packing.is_weight(v) else (v,))]
+            fused = {}
+            for before, after in zip(old, new):
+                for owner, key in places[id(before)]:
+                    if isinstance(owner, FusedLinears):
+                        owner.arrays[key] = after
+                        fused[id(owner)] = owner
+                    else:
+                        owner[key] = after
+            for f in fused.values():
+                f.assign(f.arrays)
+            del inputs, members, old, views, new
+            made += 1
+        return made
+
+    def _array_places(self) -> dict[int, list]:
+        """id(array) -> [(owner, key)]: where each of the model's arrays is held, by a module or a fused group."""
+        places: dict[int, list] = {}
+        for _, m in self.named_modules():
+            for k, v in m.items():
+                if isinstance(v, mx.array):
+                    places.setdefault(id(v), []).append((m, k))
+        for f in self.fused_groups():
+            for k, v in (f.arrays or {}).items():
+                places.setdefault(id(v), []).append((f, k))
+        return places
 
     @property
     def layers(self):

@@ -1,19 +1,21 @@
-"""Packed quantized weights (ops/packing.py): the layout, the views the model keeps, the kernels' packed variants.
+"""Packed quantized weights and bundled chain inputs (ops/packing.py): the layouts, the views the model keeps, the
+kernels' packed and bundled variants.
 
-Each family's emulated kernel test also runs its cases with packed weights (Emulator(packed_twins=True)) and checks
-them bit for bit against the unpacked launch; here: the layout itself, a row count whose scales end mid-word, the
-model's packing and the dispatcher's swap.
+Each family's emulated kernel test also runs its cases with packed weights, and each decode chain's with its inputs
+bundled (Emulator(packed_twins=True)), and checks them bit for bit against the plain launch; here: the layouts
+themselves, a row count whose scales end mid-word, the model's packing and bundling and the dispatcher's swaps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench.step_dispatch import layer_stack
+from bench.step_dispatch import CHAINS, layer_stack
 from emulator import GXX, Emulator
 from lily_mlx import ops
 from lily_mlx.ops import kernels, packing, qmv, reference
@@ -125,42 +127,161 @@ def test_dispatcher_swaps_in_the_packed_variant(monkeypatch):
     assert plain_copy[0] == "qmv" and plain_off[0] == "qmv"
 
 
-def _decode_packed_on_vs_off(backend_marker: str) -> None:
-    """The embedded 4-bit model in float32: a prompt, then 6 compiled decode steps with packed_weights off, then on.
-    On, every launch of a kernel that reads quantized weights is its packed variant, and the logits agree."""
+def _decode_on_vs_off(backend_marker: str, switch: str, base: tuple = ()) -> None:
+    """The embedded 4-bit model in float32 with `base` switched on: a prompt, then 6 compiled decode steps with
+    `switch` (packed_weights or bundled_weights) off, then on. On, every launch of a kernel with a variant for it is
+    that variant (packed: every kernel that reads quantized weights, from the prompt on; bundled: every decode chain),
+    off none is, and the logits agree."""
     import switch_ab
     from lily_mlx.decode import CompiledDecoder
 
+    packed = switch == "packed_weights"
+    swaps = (lambda s: bool(s.weights)) if packed else (lambda s: bool(s.bundle))
+    variant = (lambda s: bool(s.packed_from)) if packed else (lambda s: bool(s.bundled_from))
     model, toks = switch_ab._model(mx.float32), switch_ab._tokens(40)
     real, logits = kernels.launch, {}
     for on in (False, True):
         launched = []
-        with ops.switched("packed_weights", on):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(kernels, "launch", lambda name, *a: launched.append(name) or real(name, *a))
-                model.fuse_projections(pack=on)  # before the prompt, whose launches are counted too
-                cache = model.make_cache()
-                steps = [model(toks, cache=cache)[:, -1]]
-                dec = CompiledDecoder(model, cache)
-                for _ in range(6):
-                    steps.append(dec(mx.argmax(steps[-1], axis=-1)[:, None].astype(mx.int32)))
-                logits[on] = mx.stack(steps)
-                mx.eval(logits[on])
-        unpacked = sorted({n for n in launched if kernels.SPECS[n].weights and not kernels.SPECS[n].packed_from})
-        assert launched and (not unpacked if on else not any(kernels.SPECS[n].packed_from for n in launched)), \
-            f"{backend_marker}: packed_weights {'on' if on else 'off'}: {unpacked or launched}"
+        with contextlib.ExitStack() as stack:
+            for name in base:
+                stack.enter_context(ops.switched(name, True))
+            stack.enter_context(ops.switched(switch, on))
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            mp.setattr(kernels, "launch", lambda name, *a: launched.append(name) or real(name, *a))
+            model.fuse_projections(pack=on and packed)  # before the prompt, whose launches are counted too
+            cache = model.make_cache()
+            steps = [model(toks, cache=cache)[:, -1]]
+            dec = CompiledDecoder(model, cache)  # bundles the chains' inputs when bundled_weights is on
+            if not packed:
+                launched.clear()
+            for _ in range(6):
+                steps.append(dec(mx.argmax(steps[-1], axis=-1)[:, None].astype(mx.int32)))
+            logits[on] = mx.stack(steps)
+            mx.eval(logits[on])
+        plain = sorted({n for n in launched if swaps(kernels.SPECS[n]) and not variant(kernels.SPECS[n])})
+        assert launched and (not plain if on else not any(variant(kernels.SPECS[n]) for n in launched)), \
+            f"{backend_marker}: {switch} {'on' if on else 'off'}: {plain or launched}"
     err = (mx.linalg.norm(logits[True] - logits[False]) / mx.linalg.norm(logits[False])).item()
-    assert err < 1e-6, f"{backend_marker}: decode logits with packed_weights: rel err {err:.2e}"
+    assert err < 1e-6, f"{backend_marker}: decode logits with {switch}: rel err {err:.2e}"
 
 
 @pytest.mark.cuda
 def test_decode_with_packed_weights_cuda():
-    _decode_packed_on_vs_off("cuda")
+    _decode_on_vs_off("cuda", "packed_weights")
 
 
 @pytest.mark.metal
 def test_decode_with_packed_weights_metal():
-    _decode_packed_on_vs_off("metal")
+    _decode_on_vs_off("metal", "packed_weights")
+
+
+@pytest.mark.cuda
+def test_decode_with_bundled_weights_cuda():
+    _decode_on_vs_off("cuda", "bundled_weights", CHAINS)
+
+
+@pytest.mark.metal
+def test_decode_with_bundled_weights_metal():
+    _decode_on_vs_off("metal", "bundled_weights", CHAINS)
+
+
+def _members(seed=0):
+    """A chain's mix of constants: norm weights of odd length, float32 params, weights of two ranks and scale types."""
+    return [mx.random.normal((7,), key=mx.random.key(seed)).astype(mx.bfloat16), _weight((11, 96), seed=seed + 1),
+            mx.random.normal((3,), key=mx.random.key(seed + 2)), _weight((3, 5, 64), dtype=mx.float16, seed=seed + 3),
+            _weight((256, 512), seed=seed + 4)]
+
+
+def test_bundle_views_equal_the_members_and_share_one_buffer():
+    members = _members()
+    mx.eval(members)
+    before = mx.get_active_memory()
+    blob, views = packing.bundle(members)
+    assert mx.get_active_memory() - before == blob.nbytes  # the views hold no copy
+    starts, total = packing.layout(members)
+    assert blob.dtype == mx.uint32 and blob.shape == (total,) and all(s % 4 == 0 for s in starts)  # 16-byte aligned
+    for m, v, start in zip(members, views, starts):
+        if packing.is_weight(m):
+            head = packing.lookup(*v)  # the weight's packed array: pack()'s layout, at its offset in the bundle
+            assert head is not None and np.array_equal(np.array(head), np.array(packing.pack(*m)[0]))
+        else:
+            head = v
+        assert packing.bundled(head)[0] is blob and packing.bundled(head)[1] == start
+        for old, new in zip(m, v) if packing.is_weight(m) else ((m, v),):
+            assert new.dtype == old.dtype and new.shape == old.shape and mx.array_equal(new, old).item()
+    assert packing.bundled(members[0]) is None and packing.bundled(views[0] * 1) is None
+
+
+def test_unbundleable_members_say_why():
+    with pytest.raises(ValueError, match=r"cannot bundle a int64 array \(3,\)"):
+        packing.bundle([mx.zeros((3,), dtype=mx.int64)])
+    w, s, b = _weight((11, 96))
+    with pytest.raises(ValueError, match="cannot bundle this quantized weight: scales"):
+        packing.bundle([(w, s, b.astype(mx.float32))])
+
+
+def test_dispatcher_swaps_in_the_bundled_variant(monkeypatch):
+    """With bundled_weights on, a chain launch whose every constant is one bundle's view runs the _pb variant: the
+    bundle in place of those inputs, each member's offset (and a weight's layout) in the template; with one member
+    not in the bundle, or the switch off, the plain or packed kernel."""
+    from lily_mlx.ops import deltanet_chain
+
+    spec = deltanet_chain.SPEC
+    inst = spec.instances()[-1]
+    arrays = [mx.zeros(shape, dtype=dtype) for dtype, shape in inst.inputs]
+    named = dict(zip(spec.input_names, arrays))
+    named["w"], named["scales"], named["biases"] = _weight((inst.inputs[1][1][0], 8 * inst.inputs[1][1][1]),
+                                                           gs=8 * inst.inputs[1][1][1] // inst.inputs[2][1][1])
+    members = kernels.bundle_members(spec, named)
+    blob, views = packing.bundle(members)
+    for m, v in zip(spec.bundle, views):
+        named.update(zip(("w", "scales", "biases"), v) if m == "w" else [(m, v)])
+    launched = []
+    monkeypatch.setattr(kernels, "launch", lambda name, backend, inputs, template, *rest: launched.append(
+        (name, inputs, dict(template))) or [mx.zeros((1,))])
+    args = [named[n] for n in spec.input_names]
+    with ops.switched("bundled_weights", True), ops.switched("packed_weights", True):
+        kernels.call(spec.name, "metal", args, inst.template, (32, 1, 1), (32, 1, 1), [(1,)], [mx.float32])
+        copy = [a * 1 if n == "A_log" else a for n, a in zip(spec.input_names, args)]
+        kernels.call(spec.name, "metal", copy, inst.template, (32, 1, 1), (32, 1, 1), [(1,)], [mx.float32])
+    kernels.call(spec.name, "metal", args, inst.template, (32, 1, 1), (32, 1, 1), [(1,)], [mx.float32])
+    (name, inputs, template), one_copied, off = launched
+    assert name == "deltanet_chain_pb" and inputs[kernels.SPECS[name].input_names.index("bundle")] is blob
+    assert len(inputs) == len(spec.input_names) - 8 + 1  # for w, scales, biases, nw, conv_weight, A_log, dt_bias,
+    # norm_weight: the bundle
+    starts = packing.layout(members)[0]
+    assert [template[f"{m}_at"] for m in spec.bundle] == starts and template["A_log_t"] == mx.float32
+    assert one_copied[0] == "deltanet_chain_pw" and off[0] == "deltanet_chain"
+
+
+def test_model_bundles_every_chain_launch_and_computes_the_same(monkeypatch):
+    """A compiled decoder with bundled_weights bundles each chain launch's constants (40 MoE blocks, 30 DeltaNet and
+    10 attention layers), every chain launch of its step is then a _pb variant, the model's arrays are views with
+    nothing held twice, and its logits are bit for bit the same; a second decoder bundles nothing more and reuses
+    the trace."""
+    from bench.step_dispatch import decoder, standin
+
+    model = layer_stack()
+    x = mx.array([[1, 2, 3, 4, 5]])
+    before = model(x)
+    mx.eval(before)
+    gc.collect()
+    memory = mx.get_active_memory()
+    made = []
+    real = model.bundle_weights
+    monkeypatch.setattr(model, "bundle_weights", lambda run: made.append(real(run)) or made[-1])
+    with monkeypatch.context() as mp:
+        mp.setattr(kernels, "launch", standin)
+        mp.setattr(ops, "backend", lambda: "cuda")
+        names = [name for _ in range(2) for name, _ in decoder(model, CHAINS + ("bundled_weights",), 8)[1]]
+    assert made == [80, 0]
+    chain_launches = [n for n in names if n.removesuffix(kernels.BUNDLED) in CHAINS]
+    # the second decoder re-traced nothing: bundling left the arrays its trace is keyed on as they were
+    assert len(chain_launches) == 80 and all(n.endswith(kernels.BUNDLED) for n in chain_launches)
+    assert all(f.current() for f in model.fused_groups())
+    gc.collect()
+    assert abs(mx.get_active_memory() - memory) < 0.05 * memory  # the old arrays are gone: views, not copies
+    assert mx.array_equal(model(x), before).item()
 
 
 def test_packing_leaves_float_weights_and_their_fusion_alone():

@@ -10,6 +10,7 @@ names (the 4-bit/8-bit chunk dot product, swizzles). The wheel carries kernels/ 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -604,6 +605,9 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
                          f"{spec.cuda_launch_bounds[0]}")
     from . import enabled
 
+    if _CAPTURED is not None:
+        _CAPTURED.append((spec, list(inputs)))
+        return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
     swapped = None
     if spec.bundle and not spec.bundled_from and enabled("bundled_weights"):
         swapped = bundled_args(spec, inputs, template)
@@ -613,6 +617,21 @@ def call(name: str, backend: str, inputs: Sequence[mx.array], template: Sequence
         name, inputs, template = swapped
     return launch(name, backend, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value,
                   shared_memory if backend == "cuda" else 0)
+
+
+_CAPTURED: Optional[list] = None
+
+
+@contextlib.contextmanager
+def captured():
+    """Yields a list that collects (spec, inputs) of every call() inside, in order, with nothing launched: each call
+    returns zeros of its outputs' shapes, lazily (what a trace of the launches needs, never evaluated)."""
+    global _CAPTURED
+    outer, _CAPTURED = _CAPTURED, []
+    try:
+        yield _CAPTURED
+    finally:
+        _CAPTURED = outer
 
 
 def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_shapes, output_dtypes,

@@ -136,7 +136,8 @@ def _member_words(m) -> tuple[int, int]:
         R = -(-offsets(rows, w.shape[-1], s.shape[-1], s.dtype.size)[2] // rows)
         return rows * R, R
     if m.dtype.size > 4 or 4 % m.dtype.size:
-        raise ValueError(f"cannot bundle a {m.dtype} array {tuple(m.shape)}: its elements do not tile 4-byte words")
+        dtype = str(m.dtype).removeprefix("mlx.core.")
+        raise ValueError(f"cannot bundle a {dtype} array {tuple(m.shape)}: its elements do not tile 4-byte words")
     return -(-m.size * m.dtype.size // 4), 0
 
 
