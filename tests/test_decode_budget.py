@@ -11,6 +11,7 @@ pattern, quantization (4-bit, 8-bit router) and dtype are the model's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 
 import mlx.core as mx
@@ -37,8 +38,10 @@ def _primitives(outputs, path) -> collections.Counter:
     return collections.Counter(nodes.values())
 
 
-# Kernel inputs a step passes (MLX walks and records each one; ops/packing.py): by configuration, unpacked / packed.
-INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1660, 936)}
+# Kernel inputs a step passes (MLX walks and records each one; ops/packing.py): by configuration, plain / packed /
+# packed with each chain launch's constants bundled.
+INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1660, 936, 436)}
+WEIGHTS = {False: 0, True: 1, "bundled": 2}  # the packed parameter: plain, packed_weights, + bundled_weights
 
 
 @pytest.mark.parametrize("stacked, fold, chain, dn_chain, attn, scatter, packed", [
@@ -47,31 +50,37 @@ INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1660, 936)}
     (True, True, True, 1, False, False, False), (True, True, True, 2, False, False, False),
     (True, True, True, 2, True, False, False), (False, False, False, 0, False, True, False),
     (True, True, False, 0, False, True, False), (True, True, False, 0, False, False, True),
-    (True, True, True, 2, True, False, True)],
+    (True, True, True, 2, True, False, True), (True, True, True, 2, True, False, "bundled")],
     ids=["per-layer-kv", "stacked-kv", "stacked-kv+qmv_attn+dequant_rows", "defaults+moe_chain",
          "defaults+moe_chain+deltanet_chain", "defaults+moe_chain+deltanet_chain_out", "all-chains",
-         "per-layer-kv+kv_scatter", "defaults+kv_scatter", "defaults+packed_weights", "all-chains+packed_weights"])
+         "per-layer-kv+kv_scatter", "defaults+kv_scatter", "defaults+packed_weights", "all-chains+packed_weights",
+         "all-chains+packed+bundled_weights"])
 def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chain, attn, scatter, packed):
     """Kernel launches and other primitives of one compiled decode step of the 40-layer shape. With qmv_attn
     (attention's split merge inside o_proj) and dequant_rows (the embedding lookup in one launch), both on by
     default, the whole step, its embedding included, is within issue 4's budget of 250; moe_chain (opt-in) runs each
     MoE block, its router included, as one launch (80 fewer), deltanet_chain each DeltaNet layer's input projection
     and step (30 fewer; dn_chain 1), deltanet_chain_out its output projection too (60 fewer; dn_chain 2), attn_chain
-    each attention layer's input projection, attention and output projection (20 fewer)."""
+    each attention layer's input projection, attention and output projection (20 fewer). packed: packed_weights,
+    and with "bundled" bundled_weights too (launch counts unchanged)."""
     cached = 8
     model = step_dispatch.layer_stack()
     cache = model.make_cache()
     model(mx.array([list(range(1, cached + 1))]), cache=cache)  # the real prefill, on the CPU
-    with ops.switched("stacked_kv", stacked), ops.switched("packed_weights", packed):
-        dec = CompiledDecoder(model, cache, reserve=4)  # packs the weights (fuse_projections) when packed
-    assert dec.stacked == stacked
-    mx.eval(dec.kv, dec.states)
-
+    bundled = packed == "bundled"
+    switches = contextlib.ExitStack()
+    for name, on in (("qmv_attn", fold), ("dequant_rows", fold), ("moe_chain", chain), ("deltanet_chain", dn_chain == 1),
+                     ("deltanet_chain_out", dn_chain == 2), ("attn_chain", attn), ("kv_scatter", scatter),
+                     ("packed_weights", bool(packed)), ("bundled_weights", bundled)):
+        switches.enter_context(ops.switched(name, on))
     launches, standin_outputs, edges = collections.Counter(), [0], [0]
 
     def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        launches[name.removesuffix(kernels.PACKED) if packed else name] += 1
-        assert name.endswith(kernels.PACKED) == (packed and bool(kernels.SPECS[name].weights)), f"{name}: packed?"
+        spec = kernels.SPECS[name]
+        launches[name.removesuffix(kernels.PACKED).removesuffix(kernels.BUNDLED)] += 1
+        assert bool(spec.bundled_from) == (bundled and bool(kernels.SPECS[name.removesuffix(kernels.BUNDLED)].bundle)) \
+            and bool(spec.packed_from) == (bool(packed) and bool(spec.weights or spec.packed_from)
+                                           and not spec.bundled_from), f"{name}: packed or bundled?"
         standin_outputs[0] += len(output_shapes)
         edges[0] += len(inputs)
         return step_dispatch.standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes,
@@ -79,17 +88,18 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
 
     monkeypatch.setattr(kernels, "launch", standin)  # after kernels.call's checks and its packed-weight swap
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
-    with ops.switched("qmv_attn", fold), ops.switched("dequant_rows", fold), ops.switched("moe_chain", chain), \
-            ops.switched("deltanet_chain", dn_chain == 1), \
-            ops.switched("deltanet_chain_out", dn_chain == 2), ops.switched("attn_chain", attn), \
-            ops.switched("kv_scatter", scatter), ops.switched("packed_weights", packed):
+    with switches, ops.switched("stacked_kv", stacked):
+        # packs the weights (fuse_projections) when packed, bundles each chain launch's constants when bundled
+        dec = CompiledDecoder(model, cache, reserve=4)
+        assert dec.stacked == stacked
+        mx.eval(dec.kv, dec.states)
+        flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
         step = dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
     counts = _primitives(step, tmp_path / "step.dot")
     config = {(True, True, False, 0, False, False): "defaults", (True, True, True, 2, True, False): "all-chains"}.get(
         (stacked, fold, chain, dn_chain, attn, scatter))
     if config:
-        assert edges[0] == INPUT_EDGES[config][packed], f"{config}: {edges[0]} kernel inputs a step"
+        assert edges[0] == INPUT_EDGES[config][WEIGHTS[packed]], f"{config}: {edges[0]} kernel inputs a step"
     # The lookup's own primitives (MLX's gathers and dequantize; the CPU's graph decomposes the dequantize): counted
     # apart, or, with dequant_rows, one launch of the step.
     embed = (collections.Counter() if fold else
