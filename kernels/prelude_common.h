@@ -309,5 +309,11 @@ LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD f
 }
 
 // A packed quantized weight (lily_mlx/ops/packing.py): codes, scales, biases, each block starting at a multiple of
-// 4 words (kernels.packed_preamble points into it).
+// 4 words. A packed or bundled variant's preamble (kernels.packed_preamble) points W, S and B into the block at P of
+// ROWS rows, WROW code words and SROW scales of type ST a row: one short line, as MLX hashes the source every launch.
 LILY_INLINE size_t lily_pw_round(size_t words) { return (words + 3) & ~static_cast<size_t>(3); }
+#define LILY_PACKED_WEIGHT(P, ROWS, WROW, SROW, ST, W, S, B) \
+  const LILY_GLOBAL uint32_t* W = P; \
+  const LILY_GLOBAL ST* S = reinterpret_cast<const LILY_GLOBAL ST*>(P + lily_pw_round((ROWS) * (WROW))); \
+  const LILY_GLOBAL ST* B = reinterpret_cast<const LILY_GLOBAL ST*>(P + lily_pw_round((ROWS) * (WROW)) + \
+                                                                   lily_pw_round(((ROWS) * (SROW) * sizeof(ST) + 3) / 4))

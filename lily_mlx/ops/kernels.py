@@ -278,11 +278,7 @@ def _weight_lines(spec: KernelSpec, triple: tuple[str, str, str], lead: list[str
     w, s, b = triple
     p, nd = w + PACKED, len(lead) + 1
     lines = [f"const size_t {p}_rows = size_t({') * size_t('.join(lead)});",
-             f"const size_t {p}_s = lily_pw_round({p}_rows * {p}_wrow);",
-             f"const size_t {p}_b = {p}_s + lily_pw_round(({p}_rows * {p}_srow * sizeof({p}_st) + 3) / 4);",
-             f"const LILY_GLOBAL uint32_t* {w} = {p};",
-             f"const LILY_GLOBAL {p}_st* {s} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_s);",
-             f"const LILY_GLOBAL {p}_st* {b} = reinterpret_cast<const LILY_GLOBAL {p}_st*>({p} + {p}_b);"]
+             f"LILY_PACKED_WEIGHT({p}, {p}_rows, {p}_wrow, {p}_srow, {p}_st, {w}, {s}, {b});"]
     for n, last in ((w, "wrow"), (s, "srow"), (b, "srow")):
         if re.search(rf"\b{n}_strides\b", body_text):
             raise ValueError(f"kernel {spec.name!r} reads {n}_strides: a packed weight has none to give")
@@ -410,7 +406,7 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend {backend!r} has no custom kernels; expected one of {BACKENDS}")
 
 
-_DEFINES = re.compile(r"LILY_INLINE[^(;{]*?\b(lily_\w+)\(")
+_DEFINES = re.compile(r"LILY_INLINE[^(;{]*?\b(lily_\w+)\(|^#define (LILY_\w+)", re.M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -419,7 +415,7 @@ def _common_helpers() -> tuple[tuple[tuple[str, ...], str], ...]:
     path = kernel_dir() / "prelude_common.h"
     blocks = []
     for raw in re.split(r"\n\s*\n", path.read_text()):
-        names = tuple(_DEFINES.findall(raw))
+        names = tuple(f or m for f, m in _DEFINES.findall(raw))
         if names:
             blocks.append((names, compact(raw)))
     return tuple(blocks)
