@@ -5,7 +5,9 @@ The 35B-A3B layer stack (40 layers, its quantization and layer pattern; tiny wid
 graph, not the sizes) is traced as the CUDA path builds it, every custom-kernel launch a stand-in primitive over the
 same inputs, then timed on this machine's default device as generate_step runs it, pipelined: the compiled call
 (MLX replays the traced graph: a map entry for each constant, an array for each primitive) and the async_eval that
-walks it. Configurations in interleaved rounds, medians of this thread's CPU time.
+walks it. Configurations in interleaved rounds, medians of this thread's CPU time. Also per step: the kernel source
+MLX's CUDA backend hashes at every launch (CustomKernel::eval_gpu names its JIT module by it; about 0.3 us a KB on the
+H200, bench/launch_cost.py), inline and with cuda_source_files.
 
     python -m bench.step_dispatch [--rounds 5] [--steps 60] [--json out.json]
 """
@@ -16,9 +18,11 @@ import argparse
 import contextlib
 import datetime
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -61,9 +65,23 @@ def standin(name, backend, inputs, template, grid, group, output_shapes, output_
     return mx.depends(outs, list(inputs))
 
 
+def hashed_bytes(name, inputs, template, output_dtypes, folder: Path) -> tuple[int, int]:
+    """The bytes of source MLX's CUDA backend hashes at each launch of this kernel: inline, and as cuda_source_files
+    writes it (#include stubs of files in `folder`)."""
+    from lily_mlx.ops import kernels, metal_source
+
+    spec = kernels.SPECS[name]
+    src = kernels.body(spec, "cuda")
+    hdr = kernels.spec_header(spec, "cuda", src)
+    shaped = [(a.dtype, tuple(a.shape)) for a in inputs]
+    stub, stub_hdr = kernels.included(spec, src, hdr, folder)
+    return tuple(len(metal_source.cuda_source(name, spec.input_names, spec.output_names, s, h, shaped, output_dtypes,
+                                              template)[1]) for s, h in ((src, hdr), (stub, stub_hdr)))
+
+
 def decoder(model, switches: tuple, capacity: int) -> tuple:
-    """(a compiled decoder over an 8-token prefill traced under `switches`, (kernel, input count) of each launch
-    it traced)."""
+    """(a compiled decoder over an 8-token prefill traced under `switches`, (kernel, input count, source bytes
+    hashed inline, and via files) of each launch it traced)."""
     from lily_mlx import ops
     from lily_mlx.decode import CompiledDecoder
     from lily_mlx.ops import kernels
@@ -71,12 +89,19 @@ def decoder(model, switches: tuple, capacity: int) -> tuple:
     cache = model.make_cache()
     model(mx.array([list(range(1, 9))]), cache=cache)
     launched = []
+    folder = Path(tempfile.mkdtemp())
+
+    def counted(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, *rest):
+        launched.append((name, len(inputs), *hashed_bytes(name, inputs, template, output_dtypes, folder)))
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, *rest)
+
     with contextlib.ExitStack() as stack:
         for n in switches:
             stack.enter_context(ops.switched(n, True))
         dec = CompiledDecoder(model, cache, reserve=capacity)
-        with mock.patch.object(kernels, "launch", lambda *a: launched.append((a[0], len(a[2]))) or standin(*a)):
+        with mock.patch.object(kernels, "launch", counted):
             mx.eval(dec(mx.array([[1]])))  # the trace
+    shutil.rmtree(folder)
     return dec, launched
 
 
@@ -109,7 +134,9 @@ def measure(rounds: int, steps: int) -> dict:
         decoders = {}
         for name, switches in CONFIGS.items():
             decoders[name], launched = decoder(model, switches, rounds * (steps + 2) + 8)
-            counts[name] = {"launches": len(launched), "kernel_inputs": sum(n for _, n in launched)}
+            counts[name] = {"launches": len(launched), "kernel_inputs": sum(n for _, n, _, _ in launched),
+                            "source_kb": sum(b for *_, b, _ in launched) / 1024,
+                            "source_kb_via_files": sum(b for *_, b in launched) / 1024}
         times = {name: [] for name in CONFIGS}
         for r in range(rounds):
             for name in (list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))):
@@ -126,9 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     rows = measure(args.rounds, args.steps)
-    print(f"{'configuration':24} {'launches':>8} {'inputs':>7} {'call ms':>8} {'+async_eval ms':>15}")
+    print(f"{'configuration':24} {'launches':>8} {'inputs':>7} {'hashed KB':>9} {'(files)':>8} {'call ms':>8} "
+          f"{'+async_eval ms':>15}")
     for name, r in rows.items():
-        print(f"{name:24} {r['launches']:8d} {r['kernel_inputs']:7d} {r['call_ms']:8.3f} {r['dispatch_ms']:15.3f}")
+        print(f"{name:24} {r['launches']:8d} {r['kernel_inputs']:7d} {r['source_kb']:9.0f} "
+              f"{r['source_kb_via_files']:8.0f} {r['call_ms']:8.3f} {r['dispatch_ms']:15.3f}")
     if args.json_path:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.json_path).write_text(json.dumps(

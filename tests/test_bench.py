@@ -363,7 +363,8 @@ def test_mtp_bench_sets_the_acceptance(tmp_path):
 
 def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
     """bench.step_dispatch traces each configuration with stand-in kernels: packed weights take two inputs fewer per
-    weight (the budget test's counts), the chains fewer launches; every time is a positive figure."""
+    weight and bundles fewer still (the budget test's counts), the chains fewer launches; the source hashed a step is
+    a tenth or less with cuda_source_files; every time is a positive figure."""
     from bench import step_dispatch
 
     out = tmp_path / "sd.json"
@@ -373,4 +374,6 @@ def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
     assert rows["packed_weights"]["launches"] == rows["defaults"]["launches"] > rows["chains"]["launches"]
     assert rows["defaults"]["kernel_inputs"] - rows["packed_weights"]["kernel_inputs"] == 724
     assert rows["chains"]["kernel_inputs"] - rows["chains+packed_weights"]["kernel_inputs"] == 724
+    assert rows["chains+packed_weights"]["kernel_inputs"] - rows["chains+packed+bundled"]["kernel_inputs"] == 500
+    assert all(0 < r["source_kb_via_files"] < r["source_kb"] / 8 for r in rows.values())
     assert all(r["dispatch_ms"] > r["call_ms"] > 0 for r in rows.values())

@@ -273,7 +273,7 @@ def test_model_bundles_every_chain_launch_and_computes_the_same(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(kernels, "launch", standin)
         mp.setattr(ops, "backend", lambda: "cuda")
-        names = [name for _ in range(2) for name, _ in decoder(model, CHAINS + ("bundled_weights",), 8)[1]]
+        names = [name for _ in range(2) for name, *_ in decoder(model, CHAINS + ("bundled_weights",), 8)[1]]
     assert made == [80, 0]
     chain_launches = [n for n in names if n.removesuffix(kernels.BUNDLED) in CHAINS]
     # the second decoder re-traced nothing: bundling left the arrays its trace is keyed on as they were
