@@ -128,10 +128,10 @@ python3 \
 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c.csv 2>/dev/null; \
 python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c.csv --decode | tee $res/ncu_decode_$c.txt"
 done
-# MLX rebuilds and hashes a CUDA kernel's source on every launch; the chains' sources are 20-23 KB. cuda_source_files
-# (a short #include stub) on vs off with every chain on.
+# MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
+# cuda_source_files (short #include stubs: 0.2 MB) on vs off with every chain on, packed and bundled.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \
-  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.profile_decode --model "$model" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
