@@ -315,5 +315,5 @@ LILY_INLINE size_t lily_pw_round(size_t words) { return (words + 3) & ~static_ca
 #define LILY_PACKED_WEIGHT(P, ROWS, WROW, SROW, ST, W, S, B) \
   const LILY_GLOBAL uint32_t* W = P; \
   const LILY_GLOBAL ST* S = reinterpret_cast<const LILY_GLOBAL ST*>(P + lily_pw_round((ROWS) * (WROW))); \
-  const LILY_GLOBAL ST* B = reinterpret_cast<const LILY_GLOBAL ST*>(P + lily_pw_round((ROWS) * (WROW)) + \
-                                                                   lily_pw_round(((ROWS) * (SROW) * sizeof(ST) + 3) / 4))
+  const LILY_GLOBAL ST* B = reinterpret_cast<const LILY_GLOBAL ST*>( \
+      P + lily_pw_round((ROWS) * (WROW)) + lily_pw_round(((ROWS) * (SROW) * sizeof(ST) + 3) / 4))
