@@ -176,7 +176,7 @@ class CompiledDecoder:
         if ops.enabled("bundled_weights"):  # outside the trace too: the trace then holds the bundles as constants
             B = cache[self.kv_index[0]].keys.shape[0] if self.kv_index else cache[self.state_index[0]][0].shape[0]
             tokens, offset = mx.zeros((B, 1), dtype=mx.int32), mx.array([self.offset], dtype=mx.int32)
-            model.bundle_weights(lambda: self._step(tokens, offset, *_flatten(self.kv, self.states)))
+            _bundle_once(model, self._kind(), B, lambda: self._step(tokens, offset, *_flatten(self.kv, self.states)))
         self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, self._kind())
 
     @staticmethod
@@ -415,19 +415,35 @@ def _new_rows(kv: list, T: int, start1: mx.array):
 _SHARED: dict[int, tuple[Any, dict]] = {}
 
 
-def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], kind: str = "single") -> Callable:
-    """One mx.compile'd step per model, cache layout, parameter arrays and kernel switches. A trace holds the
-    parameters it saw as constants, so new weights (load_weights, update) or switches key a new trace."""
+def _model_entry(model) -> tuple[Any, dict, tuple]:
+    """(weak ref to model, its dict of traces by key, the key's last part: its parameter arrays and the switches)."""
     from .ops import KERNEL_NAMES, enabled
 
     params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
     switches = tuple(enabled(n) for n in sorted(KERNEL_NAMES))
-    key = (kind, n_cache, tuple(kv_index), tuple(state_index), params, switches)
     ref, steps = _SHARED.get(id(model), (None, None))
     if ref is None or ref() is not model:
         steps = {}
         ref = weakref.ref(model, lambda _, k=id(model): _SHARED.pop(k, None))
         _SHARED[id(model)] = (ref, steps)
+    return ref, steps, (params, switches)
+
+
+def _bundle_once(model, kind: str, batch: int, run: Callable) -> None:
+    """model.bundle_weights(run), unless the model already went through it for a step of this kind and batch with
+    these arrays and switches (a trace of the step costs milliseconds; nothing would change)."""
+    _, steps, last = _model_entry(model)
+    if ("bundled", kind, batch, *last) not in steps:
+        model.bundle_weights(run)
+        _, steps, last = _model_entry(model)  # the arrays it bundled are new
+        steps[("bundled", kind, batch, *last)] = None
+
+
+def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], kind: str = "single") -> Callable:
+    """One mx.compile'd step per model, cache layout, parameter arrays and kernel switches. A trace holds the
+    parameters it saw as constants, so new weights (load_weights, update) or switches key a new trace."""
+    ref, steps, last = _model_entry(model)
+    key = (kind, n_cache, tuple(kv_index), tuple(state_index), *last)
     if key not in steps:
         for old in [k for k in steps if k[-2:] != key[-2:]]:  # the old trace's weights or switches are gone: free it
             del steps[old]
