@@ -85,10 +85,15 @@ step 60 150 "decode step, packed_weights on vs off" python3 -m bench.profile_dec
 step 60 110 "decode step, packed_weights on vs off (every chain on)" \
   env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch packed_weights --json "$res/decode_ab_packed_weights_chains.json"
-# A chain launch's constants (weights, norms, DeltaNet params) one input (436 kernel inputs a chained step, not 936).
-step 60 110 "decode step, bundled_weights on vs off (every chain, packed_weights on)" \
-  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights python3 -m bench.profile_decode \
-  --model "$model" --context 64 --steps 16 --no-ops --ab-switch bundled_weights --json "$res/decode_ab_bundled.json"
+# A chain launch's constants (weights, norms, DeltaNet params) one input (436 kernel inputs a chained step, not 936);
+# again in a second process with MLX's CUDA graph committed by its 100 nodes only, not every ~1000 M input elements
+# (about every 9 MoE launches: ~5 commits a chained step instead of 1).
+for mb in "" 1000000; do
+  step 60 110 "decode step, bundled_weights on vs off (every chain, packed_weights on)${mb:+, MLX_MAX_MB_PER_BUFFER=$mb}" \
+    env ${mb:+MLX_MAX_MB_PER_BUFFER=$mb} LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights \
+    python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch bundled_weights \
+    --json "$res/decode_ab_bundled${mb:+_mb}.json"
+done
 step 30 60 "decode step dispatch, kernels as stand-ins" python3 -m bench.step_dispatch --json "$res/step_dispatch.json"
 # The K/V writes as a scatter vs MLX's dynamic slice update (whose CUDA grid covers the whole cache).
 step 60 150 "decode step, kv_scatter on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
