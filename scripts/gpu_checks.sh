@@ -65,8 +65,8 @@ done
 step 60 120 "kernel table" python3 -m bench.kernels ${KERNEL_ROWS:+--rows "$KERNEL_ROWS"} --json "$res/kernels.json"
 # Issue 4: moe_chain (a MoE block in one launch) on vs off in the decode step, alternating in one process; and the
 # same under MLX_MAX_MB_PER_BUFFER raised in a second process. MLX commits its CUDA graph once the inputs of its
-# launches pass 1000 MB (H100/H200 default), and each MoE launch lists every expert's weights (~600 MB for gate/up):
-# by default a decode step commits about every two launches instead of every 100.
+# launches pass 1000 "MB" (H100/H200 default; it adds up data_size, elements, not bytes), and each MoE launch lists
+# every expert's weights (~126 M elements): by default a decode step commits about every 8 MoE layers.
 for mb in "" 1000000; do
   step 60 110 "decode step, moe_chain on vs off${mb:+, MLX_MAX_MB_PER_BUFFER=$mb}" env ${mb:+MLX_MAX_MB_PER_BUFFER=$mb} \
     python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 --no-ops --ab-switch moe_chain \
