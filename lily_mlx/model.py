@@ -32,7 +32,7 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
 ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
                     "decode kernels as one input", default_on=False)
 # Further: every constant input of a decode chain launch (a layer's weights and norms) in one array, so a chain
-# launch takes 3-7 inputs instead of 10-14 and the step ~80 constants instead of ~740. Opt-in like packed_weights.
+# launch takes 3-10 inputs instead of 10-14 and the step ~175 constants instead of ~675. Opt-in like packed_weights.
 ops.register_switch("bundled_weights", "each decode chain launch's constant inputs (packed weights, norm weights, "
                     "DeltaNet conv weight, A_log, dt_bias) in one array, read as one input", default_on=False)
 
