@@ -26,15 +26,22 @@ def _weight(shape, gs=32, bits=4, dtype=mx.bfloat16, seed=0):
     return w, s.astype(dtype), b.astype(dtype)
 
 
+def _holds_no_copy(grown: int, made: int) -> bool:
+    """Whether memory grew by the array made and no more, up to a few small buffers another test's arrays (freed or
+    made meanwhile) may account for: a copy of the views would add about `made` again."""
+    return made <= grown + 8192 and grown < made + 16384
+
+
 @pytest.mark.parametrize("shape, dtype", [((11, 96), mx.bfloat16), ((11, 96), mx.float32), ((3, 5, 64), mx.float16),
                                           ((256, 512), mx.bfloat16)])
 def test_views_equal_the_weight_and_share_one_buffer(shape, dtype):
     w, s, b = _weight(shape, dtype=dtype)
     mx.eval(w, s, b)
+    gc.collect()
     before = mx.get_active_memory()
     packed, w2, s2, b2 = packing.pack(w, s, b)
     if packed.nbytes > 16384:  # past the allocator's rounding of small buffers
-        assert mx.get_active_memory() - before == packed.nbytes  # the views hold no copy
+        assert _holds_no_copy(mx.get_active_memory() - before, packed.nbytes)
     for old, new in ((w, w2), (s, s2), (b, b2)):
         assert new.dtype == old.dtype and new.shape == old.shape and mx.array_equal(new, old).item()
     assert packed.dtype == mx.uint32 and packed.shape[:-1] == w.shape[:-1]  # the rows, as kernels read them
@@ -195,9 +202,10 @@ def _members(seed=0):
 def test_bundle_views_equal_the_members_and_share_one_buffer():
     members = _members()
     mx.eval(members)
+    gc.collect()
     before = mx.get_active_memory()
     blob, views = packing.bundle(members)
-    assert mx.get_active_memory() - before == blob.nbytes  # the views hold no copy
+    assert _holds_no_copy(mx.get_active_memory() - before, blob.nbytes)
     starts, total = packing.layout(members)
     assert blob.dtype == mx.uint32 and blob.shape == (total,) and all(s % 4 == 0 for s in starts)  # 16-byte aligned
     for m, v, start in zip(members, views, starts):
