@@ -140,7 +140,7 @@ def bundled_launch(spec, inst, arrays, read_back: tuple = ()):
     inputs bundled, then swapped as kernels.call swaps them (kernels.bundled_args)."""
     named = dict(zip(spec.input_names, arrays))
     members = kernels.bundle_members(spec, named)
-    triples = {w: (w, s, b) for w, s, b in spec.weights}
+    triples = kernels.weight_triples(spec)
     for m, view in zip(spec.bundle, packing.bundle(members)[1]):
         named.update(zip(triples[m], view) if m in triples else [(m, view)])
     views = [named[n] for n in spec.input_names]

@@ -227,9 +227,7 @@ def packed_instance(spec: KernelSpec, inst: Instance) -> Optional[Instance]:
         (wd, wsh), (sd, ssh) = shaped[w], shaped[s]
         if packing.why_not(Shaped(wsh, wd), Shaped(ssh, sd), Shaped(shaped[b][1], shaped[b][0])) is not None:
             return None
-        rows = math.prod(wsh[:-1])
-        end = packing.offsets(rows, wsh[-1], ssh[-1], sd.size)[2]
-        packed[w] = (mx.uint32, (*wsh[:-1], -(-end // rows)))
+        packed[w] = (mx.uint32, (*wsh[:-1], packing.packed_width(Shaped(wsh, wd), Shaped(ssh, sd))))
         extra += _layout_template(w, sd, wsh[-1], ssh[-1])
     inputs = tuple(packed.get(n, shaped[n]) for n in spec.input_names if n not in _folded(spec))
     return Instance(inst.template + tuple(extra), inputs, inst.output_dtypes)
@@ -253,11 +251,11 @@ def packed_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequence
 
 
 @functools.lru_cache(maxsize=None)
-def _packed_ndims(name: str) -> dict[str, int]:
-    """Each packed input's rank in packed variant `name` (a weight's rank is the same in every instance)."""
+def _weight_ndims(name: str) -> dict[str, int]:
+    """Each weight's rank in spec `name` (the same in every instance; its packed array's too)."""
     spec = SPECS[name]
     inst = dict(zip(spec.input_names, spec.instances()[0].inputs))
-    return {w: len(inst[w + PACKED][1]) for w, _, _ in spec.weights}
+    return {w: len(inst[w][1]) for w, _, _ in spec.weights}
 
 
 def packed_preamble(spec: KernelSpec, body_text: str) -> str:
@@ -266,7 +264,7 @@ def packed_preamble(spec: KernelSpec, body_text: str) -> str:
     constant-indexed arrays (registers) and rows a product of the packed input's leading dims."""
     lines = []
     for w, s, b in spec.weights:
-        p, nd = w + PACKED, _packed_ndims(spec.name)[w]
+        p, nd = w + PACKED, _weight_ndims(spec.packed_from)[w]
         lead = [f"int({p}_shape[{d}])" for d in range(nd - 1)]
         lines += _weight_lines(spec, (w, s, b), lead, body_text)
     return "\n".join(lines) + "\n"
@@ -292,7 +290,8 @@ def _weight_lines(spec: KernelSpec, triple: tuple[str, str, str], lead: list[str
 BUNDLED = "_pb"  # a bundled variant's suffix
 
 
-def _triples(spec: KernelSpec) -> dict[str, tuple[str, str, str]]:
+def weight_triples(spec: KernelSpec) -> dict[str, tuple[str, str, str]]:
+    """spec's quantized weights by their codes' input name: (codes, scales, biases) names."""
     return {w: (w, s, b) for w, s, b in spec.weights}
 
 
@@ -300,40 +299,40 @@ def bundled_spec(spec: KernelSpec) -> KernelSpec:
     """spec with its constant inputs (spec.bundle) taken as one input, `bundle`: the same body, after a preamble that
     points each of them into it (bundled_preamble). Its template adds each member's offset (<name>_at) and, for a
     weight, its packed layout and rows; for an array, its type (<name>_t)."""
-    triples = _triples(spec)
+    triples = weight_triples(spec)
     missing = [n for n in spec.bundle if n not in spec.input_names]
     if missing or "bundle" in spec.input_names:
         raise ValueError(f"kernel {spec.name!r}: bundle {spec.bundle} names inputs it does not have: {missing}")
     gone = {n for m in spec.bundle for n in triples.get(m, (m,))}
     first = min(spec.input_names.index(n) for n in gone)
     names = tuple("bundle" if i == first else n for i, n in enumerate(spec.input_names) if n not in gone or i == first)
-    params = spec.template_params + tuple(n for m in spec.bundle for n, _ in _member_template(m, m in triples, 0, None))
+    shapeless = (Shaped((0, 0), mx.uint32),) * 3  # a member's template names do not depend on its shape
+    params = spec.template_params + tuple(n for m in spec.bundle for n, _ in _member_template(
+        m, 0, shapeless if m in triples else shapeless[0]))
     return dataclasses.replace(spec, name=spec.name + BUNDLED, input_names=names, template_params=params,
                                description=spec.description + "; its constant inputs bundled as one array",
                                instances=functools.partial(_bundled_instances, spec), weights=(), bundle=(),
                                bundled_from=spec.name)
 
 
-def _member_template(m: str, weight: bool, at: int, shaped) -> list[tuple[str, TemplateArg]]:
-    """A bundle member's template arguments: its word offset, then a weight's packed layout and rows (shaped: its
-    codes and scales) or an array's type (shaped: the array); shaped None gives the names only."""
-    if weight:
-        wsh, ssh = (shaped[0].shape, shaped[1].shape) if shaped is not None else ((0, 0), (0, 0))
-        return [(f"{m}_at", at), *_layout_template(m, shaped[1].dtype if shaped is not None else mx.uint32, wsh[-1], ssh[-1]),
-                (f"{m}_bundle_rows", math.prod(wsh[:-1]))]
-    return [(f"{m}_at", at), (f"{m}_t", shaped.dtype if shaped is not None else mx.uint32)]
+def _member_template(m: str, at: int, member) -> list[tuple[str, TemplateArg]]:
+    """A bundle member's template arguments: its word offset, then a weight's packed layout and rows (member its
+    codes, scales and biases) or an array's type."""
+    if packing.is_weight(member):
+        w, s, _ = member
+        return [(f"{m}_at", at), *_layout_template(m, s.dtype, w.shape[-1], s.shape[-1]),
+                (f"{m}_bundle_rows", math.prod(w.shape[:-1]))]
+    return [(f"{m}_at", at), (f"{m}_t", member.dtype)]
 
 
 def bundle_members(spec: KernelSpec, named: dict) -> list:
     """spec's bundle members from its inputs by name: an input, or a weight's (codes, scales, biases)."""
-    triples = _triples(spec)
+    triples = weight_triples(spec)
     return [tuple(named[n] for n in triples[m]) if m in triples else named[m] for m in spec.bundle]
 
 
 def _bundled_template(spec: KernelSpec, members: list, starts: list[int]) -> list[tuple[str, TemplateArg]]:
-    return [a for m, member, at in zip(spec.bundle, members, starts)
-            for a in _member_template(m, packing.is_weight(member), at, member[:2] if packing.is_weight(member)
-                                      else member)]
+    return [a for m, member, at in zip(spec.bundle, members, starts) for a in _member_template(m, at, member)]
 
 
 def _bundled_instances(spec: KernelSpec) -> list[Instance]:
@@ -379,7 +378,7 @@ def bundled_args(spec: KernelSpec, inputs: Sequence[mx.array], template: Sequenc
 def bundled_preamble(spec: KernelSpec, body_text: str) -> str:
     """A bundled variant's first lines: each member as a pointer into `bundle` at its offset; a weight's codes,
     scales and biases as packed_preamble points them (its rows from the template)."""
-    triples, lines = _triples(spec), []
+    triples, lines = weight_triples(spec), []
     for m in spec.bundle:
         if m in triples:
             if re.search(rf"\b({'|'.join(triples[m])})_shape\b", body_text) and _weight_ndims(spec.name)[m] != 2:
@@ -391,14 +390,6 @@ def bundled_preamble(spec: KernelSpec, body_text: str) -> str:
                 raise ValueError(f"kernel {spec.name!r} reads the shape of {m!r}: a bundled array has none to give")
             lines.append(f"const LILY_GLOBAL {m}_t* {m} = reinterpret_cast<const LILY_GLOBAL {m}_t*>(bundle + {m}_at);")
     return "\n".join(lines) + "\n"
-
-
-@functools.lru_cache(maxsize=None)
-def _weight_ndims(name: str) -> dict[str, int]:
-    """Each weight's rank in spec `name` (the same in every instance)."""
-    spec = SPECS[name]
-    inst = dict(zip(spec.input_names, spec.instances()[0].inputs))
-    return {w: len(inst[w][1]) for w, _, _ in spec.weights}
 
 
 def _check_backend(backend: str) -> None:

@@ -54,14 +54,20 @@ def why_not(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[str]:
     return None
 
 
+def packed_width(w, scales) -> int:
+    """R, the last dim of the packed array [*lead, R] of codes w and its scales (arrays, or kernels.Shaped)."""
+    rows = math.prod(w.shape[:-1])
+    return -(-offsets(rows, w.shape[-1], scales.shape[-1], scales.dtype.size)[2] // rows)
+
+
 def _triple_parts(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[list, int]:
     """(uint32 parts, R): a quantized weight's packed layout as parts to concatenate, [*lead, R] words in all."""
     reason = why_not(w, scales, biases)
     if reason is not None:
         raise ValueError(f"cannot pack this quantized weight: {reason}")
     rows, wrow, n_scales = math.prod(w.shape[:-1]), w.shape[-1], scales.size
-    s_at, b_at, end = offsets(rows, wrow, scales.shape[-1], scales.dtype.size)
-    R = -(-end // rows)
+    s_at, b_at, _ = offsets(rows, wrow, scales.shape[-1], scales.dtype.size)
+    R = packed_width(w, scales)
     s_words = -(-n_scales * scales.dtype.size // 4)
     parts = [w.reshape(-1), *_zeros(s_at - rows * wrow), _words(scales), *_zeros(b_at - s_at - s_words),
              _words(biases), *_zeros(rows * R - b_at - s_words)]
@@ -115,7 +121,6 @@ def lookup(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[mx.array
     return packed if rw() is w and rs() is scales and rb() is biases else None
 
 
-
 Member = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # an array, or a quantized weight's three
 
 
@@ -132,9 +137,8 @@ def _member_words(m) -> tuple[int, int]:
         reason = why_not(w, s, b)
         if reason is not None:
             raise ValueError(f"cannot bundle this quantized weight: {reason}")
-        rows = math.prod(w.shape[:-1])
-        R = -(-offsets(rows, w.shape[-1], s.shape[-1], s.dtype.size)[2] // rows)
-        return rows * R, R
+        R = packed_width(w, s)
+        return math.prod(w.shape[:-1]) * R, R
     if m.dtype.size > 4 or 4 % m.dtype.size:
         dtype = str(m.dtype).removeprefix("mlx.core.")
         raise ValueError(f"cannot bundle a {dtype} array {tuple(m.shape)}: its elements do not tile 4-byte words")
