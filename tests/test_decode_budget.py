@@ -76,11 +76,11 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     launches, standin_outputs, edges = collections.Counter(), [0], [0]
 
     def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        spec = kernels.SPECS[name]
-        launches[name.removesuffix(kernels.PACKED).removesuffix(kernels.BUNDLED)] += 1
-        assert bool(spec.bundled_from) == (bundled and bool(kernels.SPECS[name.removesuffix(kernels.BUNDLED)].bundle)) \
-            and bool(spec.packed_from) == (bool(packed) and bool(spec.weights or spec.packed_from)
-                                           and not spec.bundled_from), f"{name}: packed or bundled?"
+        base = name.removesuffix(kernels.PACKED).removesuffix(kernels.BUNDLED)
+        plain = kernels.SPECS[base]
+        launches[base] += 1
+        want = base + (kernels.BUNDLED if bundled and plain.bundle else kernels.PACKED if packed and plain.weights else "")
+        assert name == want, f"{name} launched where {want} should be"
         standin_outputs[0] += len(output_shapes)
         edges[0] += len(inputs)
         return step_dispatch.standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes,
