@@ -8,6 +8,9 @@
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
+# MLX keeps what NVRTC compiled in MLX_PTX_CACHE_DIR; a fresh machine compiles every kernel again (the chains at the
+# 35B shapes took past a 110 s step in run 34). The cache comes back as $OUT/ptx.tar.xz (at most 15 MB): copied to
+# .ptx-cache/ here and carried (carry [".device", ".ptx-cache"]), the next machine starts with it.
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
 set -uo pipefail
@@ -21,6 +24,16 @@ res=${OUT:+/tmp/lily-reports}
 res=${res:-$out/reports}
 mkdir -p "$out" "$res"
 start=$(date +%s)
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+[ -f .ptx-cache/ptx.tar.xz ] && tar -C "$MLX_PTX_CACHE_DIR" -xJf .ptx-cache/ptx.tar.xz && \
+  echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -name '*.ptx' | wc -l) kernels from .ptx-cache/"
+save_ptx_cache() {  # the compiled kernels without their sources, for the next machine
+  [ -n "${OUT:-}" ] || return 0
+  tar -C "$MLX_PTX_CACHE_DIR" --exclude='*.cu' -cf - . | xz -T4 -6 > /tmp/ptx.tar.xz
+  if [ "$(stat -c %s /tmp/ptx.tar.xz)" -le 15000000 ]; then cp /tmp/ptx.tar.xz "$out/ptx.tar.xz"
+  else echo "ptx cache: $(du -h /tmp/ptx.tar.xz | cut -f1) compressed, over 15 MB: not returned"; fi
+}
 left() { echo $((budget - ($(date +%s) - start))); }
 step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
   local need=$1 cap=$2 name=$3 limit
@@ -124,14 +137,18 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults)" python3 -m
 step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
   env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.mtp --model "$model" \
   --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
-# Each kernel's GPU time in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8 layers): run 33
-# found attn_decode at 255 us a layer at 4096 (33 GB/s) and MLX copies of ~40 us twice a step.
-for c in 64 4096; do
-  step 60 100 "ncu kernel times of decode steps, context $c" bash -c "ncu --clock-control none --print-units base --csv --metrics \
-gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
-python3 \
-kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c.csv 2>/dev/null; \
-python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c.csv --decode | tee $res/ncu_decode_$c.txt"
+# Each kernel's GPU time and DRAM bytes in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8
+# layers), the defaults and every chain: run 33 found attn_decode at 255 us a layer at 4096 (33 GB/s); run 36 (H100)
+# the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.
+# Only the second run's decode steps are profiled (--profile-from-start off), so the DRAM metric's replays stay cheap.
+chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
+for cfg in "64:" "64:$chains" "4096:" "4096:$chains"; do
+  c=${cfg%%:*} enable=${cfg#*:}
+  step 60 100 "ncu kernel times of decode steps, context $c${enable:+, every chain}" bash -c "env ${enable:+LILY_MLX_ENABLE=$enable} \
+ncu --profile-from-start off --clock-control none --print-units base --csv --metrics \
+gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
+python3 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c$enable.csv 2>/dev/null; \
+python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c$enable.csv --decode | tee $res/ncu_decode_$c${enable:+_chains}.txt"
 done
 # MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
 # cuda_source_files (short #include stubs: 0.2 MB) on vs off with every chain on, packed and bundled.
@@ -174,4 +191,5 @@ for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done
+save_ptx_cache
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"

@@ -8,7 +8,9 @@
 The script prefills twice (the first compiles every kernel); the summary keeps the second half of the launches.
 It also prints how the routed rows fall on the experts in each layer (the row tiles each body would run).
 With `--decode-steps S` it then runs S compiled decode steps after the prompt, twice (`--tokens` is the context), and
-`--summarize raw.csv --decode` keeps the second half of the launches after the prefill's last.
+`--summarize raw.csv --decode` keeps the second half of the launches after the prefill's last. Under
+`ncu --profile-from-start off` only the second run's decode steps are profiled (cuProfilerStart/Stop around them), so
+metrics that replay each launch, such as dram__bytes_read.sum, stay affordable; the summary then keeps every launch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def profiler(on: bool) -> None:
+    """cuProfilerStart/Stop on MLX's context (the driver's primary one): the range `ncu --profile-from-start off` profiles."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        print(f"no profiler range: {e}", file=sys.stderr)
+        return
+    err = (cuda.cuProfilerStart if on else cuda.cuProfilerStop)()
+    if err:
+        print(f"cuProfiler{'Start' if on else 'Stop'} returned CUresult {err}", file=sys.stderr)
 
 
 def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) -> None:
@@ -53,13 +69,17 @@ def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) ->
         from lily_mlx import ops
         from lily_mlx.decode import CompiledDecoder
 
-        for _ in range(2):
+        for run in range(2):
             cache = model.make_cache()
             mx.eval(model(prompt, cache=cache), [c.state for c in cache])
             decoder, y = CompiledDecoder(model, cache), prompt[:, -1:]
+            mx.eval(decoder(y))  # the trace and its compiles, outside the profiled range
+            if run:
+                profiler(True)
             for _ in range(decode_steps):  # generate_step's sampling: logprobs, then the greedy sampler
                 y = ops.to_logprobs(decoder(y), greedy=True)[1][:, None]
                 mx.eval(y)
+        profiler(False)
         return
     for i, counts in enumerate(splits[len(splits) // 2:]):
         tiles = {bm: int(np.sum(-(-counts // bm))) for bm in (16, 32, 64)}
@@ -88,9 +108,15 @@ def summarize(path: str, decode: bool = False) -> None:
         scale = UNITS.get(row.get("Metric Unit", ""), 1.0)  # ncu scales units per value unless --print-units base
         launch[row["Metric Name"]] = float(row["Metric Value"].replace(",", "")) * scale
     ids = sorted(launches)
-    if decode:  # the second run's decode steps: after its prefill's last launch
-        ids = ids[max(i for i, n in enumerate(ids) if PREFILL_ONLY.search(launches[n]["name"])) + 1:]
-    second = ids[len(ids) // 2:]
+    if not ids:
+        raise SystemExit(f"{path}: no kernel launches in ncu's CSV (did ncu stop before the program ended?)")
+    prefills = [i for i, n in enumerate(ids) if PREFILL_ONLY.search(launches[n]["name"])]
+    if decode and not prefills:  # profiled from cuProfilerStart: only the second run's decode steps
+        second = ids
+    else:
+        if decode:  # the second run's decode steps: after its prefill's last launch
+            ids = ids[prefills[-1] + 1:]
+        second = ids[len(ids) // 2:]
     by = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     for i in second:
         l = launches[i]
