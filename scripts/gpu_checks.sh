@@ -65,6 +65,12 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# Issue 4: is a pipelined decode step bound by its kernels or by the GPU idling between MLX's launches? The GPU's own
+# timeline (CUPTI kernel records through torch.profiler), the defaults and every chain, contexts 64 and 4096.
+for enable in "" "moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights"; do
+  step 60 120 "decode step on the GPU's timeline${enable:+, every chain}" env LILY_MLX_ENABLE="$enable" \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline${enable:+_chains}.json"
+done
 # Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
 # experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
 # stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).
@@ -140,12 +146,13 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
 # Each kernel's GPU time and DRAM bytes in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8
 # layers), the defaults and every chain: run 33 found attn_decode at 255 us a layer at 4096 (33 GB/s); run 36 (H100)
 # the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.
-# Only the second run's decode steps are profiled (--profile-from-start off), so the DRAM metric's replays stay cheap.
+# Only the second run's decode steps are profiled (--profile-from-start off), so the DRAM metric's replays stay cheap;
+# caches are not flushed between kernels (run 36 flushed them: ~2x a small qmv's time in back-to-back replays).
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 for cfg in "64:" "64:$chains" "4096:" "4096:$chains"; do
   c=${cfg%%:*} enable=${cfg#*:}
   step 60 100 "ncu kernel times of decode steps, context $c${enable:+, every chain}" bash -c "env ${enable:+LILY_MLX_ENABLE=$enable} \
-ncu --profile-from-start off --clock-control none --print-units base --csv --metrics \
+ncu --profile-from-start off --cache-control none --clock-control none --print-units base --csv --metrics \
 gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
 python3 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c$enable.csv 2>/dev/null; \
 python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c$enable.csv --decode | tee $res/ncu_decode_$c${enable:+_chains}.txt"

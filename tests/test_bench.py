@@ -377,3 +377,31 @@ def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
     assert rows["chains+packed_weights"]["kernel_inputs"] - rows["chains+packed+bundled"]["kernel_inputs"] == 500
     assert all(0 < r["source_kb_via_files"] < r["source_kb"] / 8 for r in rows.values())
     assert all(r["dispatch_ms"] > r["call_ms"] > 0 for r in rows.values())
+
+
+def test_gpu_timeline_splits_busy_and_idle_time():
+    """bench.gpu_timeline's accounting: overlapping kernels count once, gaps are the idle rest, per step."""
+    tl = importlib.import_module(bench.__name__ + ".gpu_timeline")
+    kernels = [  # (name, start us, duration us) over 2 steps: a 10 us gap, an overlap of 2 us, a 3 us gap
+        ("void mlx::copy_v<float>(float*)", 0.0, 10.0),
+        ("custom_kernel_moe_chain_pb_bfloat16_abc(int)", 20.0, 8.0),
+        ("custom_kernel_qmv_bfloat16_x(int)", 26.0, 4.0),
+        ("custom_kernel_qmv_bfloat16_y(int)", 33.0, 7.0),
+    ]
+    t = tl.timeline(list(reversed(kernels)), steps=2)
+    assert t["window_us"] == 20.0 and t["busy_us"] == 13.5 and t["idle_us"] == 6.5
+    assert t["largest_gaps_us"] == [10.0, 3.0] and t["gaps_over_5us"] == 0.5 and t["idle_in_gaps_over_5us"] == 5.0
+    assert t["by_kernel"][0] == ["qmv", 1.0, 5.5] and ["moe_chain_pb", 0.5, 4.0] in t["by_kernel"]
+    assert "mlx::copy_v<float>" in t["by_kernel"][1][0]
+    with pytest.raises(ValueError, match="no kernel records"):
+        tl.timeline([], steps=2)
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="the refusal is for machines without a CUDA device")
+def test_gpu_timeline_refuses_without_cuda():
+    pytest.importorskip("torch")
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    tl = importlib.import_module(bench.__name__ + ".gpu_timeline")
+    with pytest.raises(SystemExit, match="torch sees no CUDA device"):
+        tl.main(["--model", str(EMBEDDED_4BIT_MODEL), "--steps", "2"])

@@ -1,0 +1,128 @@
+"""Where a pipelined decode step's GPU time goes on the timeline: kernels running, or the GPU idle between them.
+
+ncu times each kernel alone (serialized, caches flushed), so its sum says nothing of the gaps MLX leaves between
+launches, and it overstates a small kernel (qmv 2048->8192: 6.4 us in back-to-back graph replays, 14 us under ncu).
+This traces the real step instead: CUPTI's kernel records, through torch.profiler in the same process (MLX and
+torch share the device's primary context), over steps dispatched as generate_step does (the next step queued
+before waiting on this one). Per step it reports the window, the time some kernel was running (busy), the idle
+rest and its largest gaps, and the kernels by total time.
+
+    LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python -m bench.gpu_timeline --model PATH --context 64
+
+Needs MLX's CUDA backend and torch with CUDA in the same environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 12) -> dict:
+    """kernels: (name, start us, duration us) of `steps` steps' launches -> per-step busy and idle time (us), the
+    largest idle gaps, and the kernels by total time. Overlapping kernels count once toward busy."""
+    if not kernels:
+        raise ValueError("no kernel records: CUPTI saw none of MLX's launches (is MLX on the CUDA backend?)")
+    if steps < 1:
+        raise ValueError(f"steps must be positive, got {steps}")
+    kernels = sorted(kernels, key=lambda k: k[1])
+    start = kernels[0][1]
+    end = max(s + d for _, s, d in kernels)
+    busy, gaps, cover = 0.0, [], start
+    for _, s, d in kernels:
+        if s > cover:
+            gaps.append(s - cover)
+        busy += max(0.0, s + d - max(s, cover))
+        cover = max(cover, s + d)
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for name, _, d in kernels:
+        b = by_name[short_name(name)]
+        b[0] += 1
+        b[1] += d
+    gaps.sort(reverse=True)
+    window = end - start
+    return {
+        "steps": steps, "kernels": len(kernels),
+        "window_us": window / steps, "busy_us": busy / steps, "idle_us": (window - busy) / steps,
+        "busy_share": busy / window if window else 1.0,
+        "gaps_over_5us": sum(1 for g in gaps if g > 5) / steps,
+        "idle_in_gaps_over_5us": sum(g for g in gaps if g > 5) / steps,
+        "largest_gaps_us": gaps[:top],
+        "by_kernel": sorted(([n, c / steps, t / steps] for n, (c, t) in by_name.items()), key=lambda r: -r[2])[:top],
+    }
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its argument list and template noise (custom kernels by their lily name)."""
+    m = re.search(r"custom_kernel_(\w+?)_(bfloat16|float16|float32|float|half)", name)
+    return m.group(1) if m else re.sub(r"\(.*", "", name)[:60]
+
+
+def trace_steps(model, context: int, steps: int, vocab: int) -> list[tuple[str, float, float]]:
+    import mlx.core as mx
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lily_mlx.decode import CompiledDecoder
+
+    from .profile_decode import greedy_next, prefilled_cache
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
+    torch.cuda.init()
+    cache = prefilled_cache(model, context, vocab)
+    dec = CompiledDecoder(model, cache, reserve=2 * steps + 16)
+    tok = mx.array([[1]])
+    for _ in range(4):  # the trace and its compiles
+        tok = greedy_next(dec(tok))
+        mx.eval(tok)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        nxt = greedy_next(dec(tok))
+        mx.async_eval(nxt)
+        for _ in range(steps - 1):
+            cur = nxt
+            nxt = greedy_next(dec(cur))
+            mx.async_eval(nxt)
+            mx.eval(cur)
+        mx.eval(nxt)
+    trace = Path("/tmp/lily_gpu_timeline.json")
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import lily_mlx
+    from lily_mlx import ops
+
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_timeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, nargs="+", default=[64])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--json", dest="json_path")
+    args = ap.parse_args(argv)
+    model, _ = lily_mlx.load(args.model)
+    report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)}, "contexts": []}
+    for ctx in args.context:
+        t = {"context": ctx, **timeline(trace_steps(model, ctx, args.steps, model.config.vocab_size), args.steps)}
+        report["contexts"].append(t)
+        print(f"context {ctx}: {t['window_us']:.0f} us a step on the GPU's timeline, kernels running {t['busy_us']:.0f} us "
+              f"({100 * t['busy_share']:.0f}%), idle {t['idle_us']:.0f} us, of it {t['idle_in_gaps_over_5us']:.0f} us in "
+              f"{t['gaps_over_5us']:.1f} gaps over 5 us; {t['kernels'] / args.steps:.0f} kernels a step", flush=True)
+        print("  largest gaps (us): " + ", ".join(f"{g:.0f}" for g in t["largest_gaps_us"]))
+        for name, calls, us in t["by_kernel"]:
+            print(f"  {name:60} {calls:6.1f} calls {us:8.1f} us a step")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
