@@ -22,6 +22,16 @@ LILY_INLINE float lily_qdot16(uint4 q, const LILY_THREAD float* xr) {
   return a;
 }
 
+// Asks the L2 for bytes [part * n / parts, (part + 1) * n / parts) of the input p, a 128-byte line a thread at a time,
+// so a later phase of the launch reads them from L2 instead of DRAM. A hint only: no value depends on it.
+template <typename TP>
+LILY_INLINE void lily_prefetch_part(TP p, int64_t n_bytes, int part, int parts, int tid, int nthreads) {
+  const int64_t lo = n_bytes * part / parts;
+  const int64_t hi = n_bytes * (part + 1) / parts;
+  for (int64_t b = lo - lo % 128 + 128 * static_cast<int64_t>(tid); b < hi; b += 128 * static_cast<int64_t>(nthreads))
+    LILY_PREFETCH_L2(reinterpret_cast<const LILY_GLOBAL char*>(p) + b);
+}
+
 // XOR swizzle of a staged chunk's F4C float4s: lanes reading consecutive chunks hit distinct banks.
 template <int F4C>
 LILY_INLINE int lily_swizzle(int chunk) { return F4C >= 8 ? (chunk & 7) : ((chunk >> 1) & 3); }

@@ -14,6 +14,8 @@
 // Global memory as seen by a kernel body; vector loads through the read-only path.
 #define LILY_LDG_U4(ptr, idx) __ldg(reinterpret_cast<const uint4*>(ptr) + (idx))
 #define LILY_LDG_U2(ptr, idx) __ldg(reinterpret_cast<const uint2*>(ptr) + (idx))
+// A hint that the L2 fetch the 128-byte line holding addr (no value is read; sm_80+).
+#define LILY_PREFETCH_L2(addr) asm volatile("prefetch.global.L2 [%0];" ::"l"(addr))
 #define LILY_U4_ZERO make_uint4(0u, 0u, 0u, 0u)
 #define LILY_U4(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) make_float4((a), (b), (c), (d))

@@ -28,7 +28,8 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
 
 
 # MLX's CPU cost per decode step grows with its graph's constants and kernel inputs (bench/step_dispatch.py); packed,
-# a quantized weight is one of each instead of three. Opt-in until the H200 has run the packed kernel variants.
+# a quantized weight is one of each instead of three. Opt-in: its cuda test passes (H100 run 34) and its A/B was
+# within the host's noise (run 35).
 ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
                     "decode kernels as one input", default_on=False)
 # Further: every constant input of a decode chain launch (a layer's weights and norms) in one array, so a chain

@@ -71,6 +71,12 @@ for enable in "" "moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled
   step 60 120 "decode step on the GPU's timeline${enable:+, every chain}" env LILY_MLX_ENABLE="$enable" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline${enable:+_chains}.json"
 done
+# chain_prefetch (opt-in): a chain's early phase asks the L2 for what its later phases read (moe_chain: the routed and
+# shared down projections; deltanet_chain_out: the recurrent state and the output projection), every chain on.
+step 60 150 "decode step, chain_prefetch on vs off (every chain, packed, bundled)" \
+  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights \
+  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch chain_prefetch \
+  --json "$res/decode_ab_chain_prefetch.json"
 # Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
 # experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
 # stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).

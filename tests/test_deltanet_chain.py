@@ -17,7 +17,7 @@ from lily_mlx import ops
 from lily_mlx.ops import deltanet_chain as dc
 from lily_mlx.ops import kernels, qmv, reference
 from emulator import GXX, Emulator
-from switch_ab import assert_chain_decodes
+from switch_ab import assert_chain_decodes, decode_rel_err
 from test_deltanet_step import BF16, F32, Case, _check_step
 
 NAN = float("nan")
@@ -87,8 +87,10 @@ def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
     whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
-    runs = [(c, False) for c in CASES] + [(c, True) for c in OUT_CASES]
-    for n, ((case, K, bits, gs), with_out) in enumerate(runs):
+    # The last two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(c, False, False) for c in CASES] + [(c, True, False) for c in OUT_CASES]
+    runs += [(CASES[0], False, True), (OUT_CASES[0], True, True)]
+    for n, ((case, K, bits, gs), with_out, prefetch) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
         conv_w, A_log, dt_bias, norm_w = params
@@ -96,7 +98,7 @@ def test_chain_emulated_matches_reference(tmp_path):
         o = None if out_proj is None else (K, 4, 32, BF16)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
                            norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
-                           o)
+                           o, prefetch=prefetch)
         PW = in_proj[0].shape[0]
         p = dc.plan(M, K, PW, bits, case.Dk, case.Dv, None if o is None else (case.Hv * case.Dv, K, 4))
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
@@ -199,6 +201,20 @@ def _gpu(backend, case, K, bits, gs, with_out=False):
     for f, s in zip(first, second):
         assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
     assert not np.array(kernels.sync_counters(in_proj[0])).any()
+    return first
+
+
+def test_chain_prefetch_switch_reaches_the_template():
+    """chain_prefetch (opt-in) builds both variants' launches with PF = 1, and only then."""
+    case, K, bits, gs = MODEL[0]
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    args = (params[0], conv_state, params[1], params[2], params[3], state)
+    for out_proj, res in ((None, None), (_out_proj(case, K), x)):
+        launch = lambda: dict(dc._launch(x, norm, in_proj, args, case.Hk, case.eps, mask, out_proj, res)[0])["PF"]
+        assert not ops.enabled("chain_prefetch") and launch() == 0
+        with ops.switched("chain_prefetch", True):
+            assert launch() == 1
+        assert launch() == 0
 
 
 @pytest.mark.cuda
@@ -223,6 +239,28 @@ def test_chain_out_cuda(case, K, bits, gs):
 @pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL, ids=repr)
 def test_chain_out_metal(case, K, bits, gs):
     _gpu("metal", case, K, bits, gs, with_out=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("case,K,bits,gs", OUT_CASES[:1] + MODEL, ids=repr)
+def test_chain_prefetch_cuda(case, K, bits, gs, with_out):
+    """With chain_prefetch's L2 hints every output is bit for bit the launch's without them (and right)."""
+    plain = _gpu("cuda", case, K, bits, gs, with_out)
+    with ops.switched("chain_prefetch", True):
+        hinted = _gpu("cuda", case, K, bits, gs, with_out)
+    for h, p in zip(hinted, plain):
+        assert mx.array_equal(h, p, equal_nan=True).item(), f"{case}: the prefetch hints changed an output"
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_prefetch_cuda():
+    """The embedded model's decode steps with deltanet_chain_out, chain_prefetch on vs off: the same logits to the bit."""
+    calls = []
+    with ops.switched("deltanet_chain_out", True):
+        err = decode_rel_err("chain_prefetch", dtype=F32, kernel="deltanet_chain_out", calls=calls)
+    assert any(on for on, _ in calls) and any(not on for on, _ in calls)
+    assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
 
 
 @pytest.mark.cuda

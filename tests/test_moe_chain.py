@@ -14,7 +14,7 @@ import pytest
 
 import lily_mlx.ops as ops
 from emulator import GXX, Emulator
-from switch_ab import assert_chain_decodes
+from switch_ab import assert_chain_decodes, decode_rel_err
 from test_moe_kernels import (NAN, ROUTED, ROUTED_MODEL, _case, _check_down, _check_routed, _gate_up_standin, _id, _router,
                               routed_id)
 from lily_mlx.ops import kernels, moe, moe_chain
@@ -50,12 +50,14 @@ def test_chain_emulated_matches_oracle(tmp_path):
     """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
     first; the counters come back zero."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []  # packed weights too, bit for bit the same
-    runs = [(r, None) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8})]
-    for n, ((c, rbits, rgs), forced) in enumerate(runs):
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
+    for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
         p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
-        inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p)
+        inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p,
+                                  prefetch=prefetch)
         args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
         threads = 32 * p["WARPS"]
         emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
@@ -157,6 +159,37 @@ def test_chain_cuda(case, rbits, rgs):
     _gpu("cuda", case, rbits, rgs)
 
 
+def _launch_args(c, rbits, rgs):
+    a, router = _case(c), _router(c, rbits, rgs)
+    return (a["x"], a["norm"], router, a["gate"], a["up"], a["down"], a["shared_gate"], a["shared_up"],
+            a["shared_down"], c[1], a["normalize"], c[6], c[7])
+
+
+def test_chain_prefetch_switch_reaches_the_template():
+    """chain_prefetch (opt-in) builds the launch with PF = 1, and only then; each setting keeps its own plan."""
+    args = _launch_args(*ROUTED_MODEL[0])
+    assert not ops.enabled("chain_prefetch")
+    assert dict(moe_chain._launch(*args)[0])["PF"] == 0
+    with ops.switched("chain_prefetch", True):
+        assert dict(moe_chain._launch(*args)[0])["PF"] == 1
+    assert dict(moe_chain._launch(*args)[0])["PF"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,rbits,rgs", CHAIN[:2] + ROUTED_MODEL, ids=routed_id)
+def test_chain_prefetch_cuda(case, rbits, rgs):
+    """With chain_prefetch's L2 hints every output is bit for bit the launch's without them (and right)."""
+    with ops.switched("chain_prefetch", True):
+        _gpu("cuda", case, rbits, rgs)
+        hinted = moe_chain.chain(*_launch_args(case, rbits, rgs)[:9], top_k=case[1], normalize=_case(case)["normalize"],
+                                 group_size=case[6], bits=case[7], backend="cuda")
+        mx.eval(hinted)
+    plain = moe_chain.chain(*_launch_args(case, rbits, rgs)[:9], top_k=case[1], normalize=_case(case)["normalize"],
+                            group_size=case[6], bits=case[7], backend="cuda")
+    for h, p in zip(hinted, plain):
+        assert mx.array_equal(h, p, equal_nan=True).item(), f"{_id(case)}: the prefetch hints changed an output"
+
+
 @pytest.mark.metal
 @pytest.mark.parametrize("case,rbits,rgs", CHAIN + ROUTED_MODEL, ids=routed_id)
 def test_chain_metal(case, rbits, rgs):
@@ -166,6 +199,17 @@ def test_chain_metal(case, rbits, rgs):
 @pytest.mark.cuda
 def test_decode_with_chain_cuda():
     assert_chain_decodes("moe_chain", "cuda")
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_prefetch_cuda():
+    """The embedded model's decode steps with moe_chain, chain_prefetch on vs off: the prefetching launch runs in every
+    layer and the logits are the same to the bit."""
+    calls = []
+    with ops.switched("moe_chain", True):
+        err = decode_rel_err("chain_prefetch", dtype=mx.float32, kernel="moe_chain", calls=calls)
+    assert any(on for on, _ in calls) and any(not on for on, _ in calls)
+    assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
 
 
 @pytest.mark.metal

@@ -6,7 +6,7 @@ attn_decode.FOLD_MAX_SPLITS, or switched off), variant attn_chain_long runs attn
 phases 2 and 3, so the chain serves every context length. Two launches fewer in each of the 10 attention layers of a
 35B-A3B decode step, the GPU's work unchanged.
 
-Switch "attn_chain", opt-in: its ordering has run on the CPU emulator only.
+Switch "attn_chain", opt-in: its cuda tests pass (H100 run 34).
 """
 
 from __future__ import annotations
@@ -204,5 +204,5 @@ def _dispatch(*args, **kwargs):
     return None if out is None else (out[-1], out[0], out[1])
 
 
-# Opt-in until its cuda tests and the decode step's timing have run on the H200.
+# Opt-in: its cuda tests pass (H100 run 34); every chain together decoded no faster than the defaults (runs 32, 35).
 register_kernel("attn_chain", SPEC.description, _dispatch, default_on=False)

@@ -206,7 +206,7 @@ def _dispatch(*args, **kwargs):
 
 
 register_kernel("attn_decode", SPEC.description, _dispatch)
-# Opt-in until the H200 times it against the strided lanes (run 33's ncu: 255 us a layer at context 4096).
+# Opt-in: its cuda tests pass (H100 run 34) but it was no faster at context 64 or 4096 (run 35).
 register_switch("attn_decode_wide", "decode attention (and attn_chain's): a lane's dims consecutive, 16-byte cache loads",
                 default_on=False)
 

@@ -5,7 +5,7 @@ deltanet_chain_out adds a third phase, qmv's body again for the output projectio
 layer's whole mixer half is one launch. One or two launches fewer in each of the 30 DeltaNet layers of a decode
 step, the GPU's work unchanged.
 
-Switches "deltanet_chain" and "deltanet_chain_out", opt-in: their ordering has run on the CPU emulator only.
+Switches "deltanet_chain" and "deltanet_chain_out", opt-in: their cuda tests pass (H100 run 34).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Optional
 import mlx.core as mx
 
 from . import deltanet_step as ds
-from . import kernels, metal_source, qmv, register_kernel
+from . import enabled, kernels, metal_source, qmv, register_kernel
 
-SPEC_PARAMS = ds.SPEC_PARAMS + ("QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS")
-OUT_PARAMS = SPEC_PARAMS + ("OBITS", "OGS", "OK", "OLANES", "ORPS")
+_QMV_PARAMS = ds.SPEC_PARAMS + ("QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS")
+SPEC_PARAMS = _QMV_PARAMS + ("PF",)  # PF: switch chain_prefetch (ops/moe_chain.py), the later phases' reads in L2
+OUT_PARAMS = _QMV_PARAMS + ("OBITS", "OGS", "OK", "OLANES", "ORPS", "PF")
 
 
 def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tuple] = None) -> dict:
@@ -69,9 +70,10 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
 
 def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group_size: int, step_dtypes, Hk: int,
              Hv: int, Dk: int, Dv: int, W: int, masked: bool, eps: float, eps_in: float,
-             out: Optional[tuple] = None, p: Optional[dict] = None) -> kernels.Instance:
+             out: Optional[tuple] = None, p: Optional[dict] = None, prefetch: bool = False) -> kernels.Instance:
     """step_dtypes: deltanet_step's (conv weight, A_log, dt_bias, gated norm weight) dtypes; out: (H, bits, group,
-    scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out); p: plan()'s, when the caller has it."""
+    scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out); p: plan()'s, when the caller has it;
+    prefetch: chain_prefetch's L2 hints (PF)."""
     PW = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
     p = p or plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
     step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"])
@@ -88,6 +90,7 @@ def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group
         inputs += ((mx.uint32, (H, Hv * Dv * obits // 32)), (oscale, (H, Hv * Dv // ogs)), (oscale, (H, Hv * Dv // ogs)),
                    (dtype, (M, 1, H)))
         outputs += (dtype,)
+    template += (("PF", int(prefetch)),)
     return kernels.Instance(template, inputs + ((mx.int32, (kernels.SYNC_SLOTS,)),), outputs)
 
 
@@ -97,7 +100,8 @@ _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, Hv, Dv
 def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual):
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *in_proj[:3], *args) if a is not None),
            in_proj[3:], norm[1], args[-1] is None, num_key_heads, eps, None if mask is None else mask.shape,
-           None if out_proj is None else (tuple((a.shape, a.dtype) for a in (*out_proj[:3], residual)), out_proj[3:]))
+           None if out_proj is None else (tuple((a.shape, a.dtype) for a in (*out_proj[:3], residual)), out_proj[3:]),
+           enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -113,7 +117,7 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
         p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
                         (conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype), Hk, Hv, Dk, Dv,
-                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p)
+                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1])
         threads = 32 * p["WARPS"]
         blocks = p["proj_blocks"] + x.shape[0] * Hv + (0 if out is None else p["out"]["blocks"])
         launch = (list(inst.template), (blocks * threads, 1, 1), (threads, 1, 1), Hv, Dv, Dk, PW)
@@ -160,6 +164,8 @@ def _instances(out: bool) -> list[kernels.Instance]:
     o = lambda H, b, heads: (H, b, 64 if heads[1] * heads[3] % 64 == 0 else 32, bf16) if out else None
     insts = [instance(t, bf16, t, M, 2048, 4, 64, (t, f32, t, t), *heads, 4, masked, 1e-6, 1e-6, o(2048, 4, heads))
              for heads in ds.MODEL_HEADS for M in (1, 2, 4, 8) for t in (bf16, f32) for masked in (False, True)]
+    insts += [instance(bf16, bf16, bf16, 1, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
+                       o(2048, 4, heads), prefetch=True) for heads in ds.MODEL_HEADS]  # chain_prefetch's
     insts += [instance(t, bf16, t, M, K, b, g, (t, f32, t, t), *heads, 4, False, 1e-6, 1e-5, o(K, b, heads))
               for heads in ds.TEST_HEADS[:2] for M in (1, 4) for t in (bf16, f32) for K, b, g in ((96, 4, 32), (256, 8, 64))
               if not out or heads[1] * heads[3] % 32 == 0]
@@ -201,6 +207,6 @@ def _dispatch_out(*args, **kwargs):
     return None if out is None else (out[4], out[1], out[2])
 
 
-# Opt-in until their cuda tests and the decode step's timing have run on the H200.
+# Opt-in: their cuda tests pass (H100 run 34); every chain together decoded no faster than the defaults (runs 32, 35).
 register_kernel("deltanet_chain", SPEC.description, _dispatch, default_on=False)
 register_kernel("deltanet_chain_out", OUT_SPEC.description, _dispatch_out, default_on=False)
