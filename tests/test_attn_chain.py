@@ -20,7 +20,7 @@ from lily_mlx.ops import attn_chain as ac
 from lily_mlx.ops import attn_decode as ad
 from lily_mlx.ops import kernels, reference
 from emulator import GXX, Emulator
-from switch_ab import assert_chain_decodes
+from switch_ab import assert_chain_decodes, decode_rel_err
 from test_attn_decode import BF16, F16, F32, TOL, Case, _check, _rel
 
 NAN = float("nan")
@@ -83,14 +83,14 @@ def _check_chain(case, inputs, got, fold):
     assert err < TOL[case.dtype], f"{case}: h rel err {err:.2e}"
 
 
-def _emulated_launch(case, inputs, fold):
+def _emulated_launch(case, inputs, fold, prefetch=False):
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
     B, L, Hq, Hkv, D, K = case.B, case.tokens, case.Hq, case.Hkv, case.D, x.shape[-1]
     H, obits = o_proj[0].shape[0], o_proj[3]
     p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold)
     inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
                        case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p,
-                       tokens=L)
+                       tokens=L, prefetch=prefetch)
     zero = mx.array([0], dtype=mx.int32)
     rows = [r for r in case.rows() if r is not None] or [zero, zero]
     args = [x, *qkv[:3], norm[0], qn, kn, keys, values, offset, mx.array([case.plane], dtype=mx.int32), *rows,
@@ -108,10 +108,12 @@ def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
     whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
-    for n, (c, fold) in enumerate([(c, True) for c in CASES] + [(c, False) for c in CASES]):
+    # The last two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(c, True, False) for c in CASES] + [(c, False, False) for c in CASES] + [(CASES[0], f, True) for f in (1, 0)]
+    for n, (c, fold, prefetch) in enumerate(runs):
         case, K, bits, gs, H, obits = c
         inputs = _inputs(case, K, bits, gs, H, obits, seed=n)
-        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold)
+        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, prefetch)
         emu.add(spec, inst, args, grid, group, shapes, reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append((case, inputs, fold))
     for (case, inputs, fold), (*got, sync) in zip(checks, emu.run()):
@@ -208,6 +210,21 @@ def _gpu(backend, case, K, bits, gs, H, obits, fold):
     for f, s in zip(first, second):
         assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
     assert not np.array(kernels.sync_counters(qkv[0])).any()
+    return first
+
+
+def test_chain_prefetch_switch_reaches_the_template():
+    """chain_prefetch (opt-in) builds the launch with PF = 1, and only then."""
+    case, K, bits, gs, H, obits = MODEL[0]
+    x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, K, bits, gs, H, obits)
+    kw = {k: v for k, v in case.kw().items() if k not in ("row_start", "row_pos")}  # as decode_add passes them
+    rows = None if case.rows()[0] is None else case.rows()
+    launch = lambda: dict(ac._launch(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, kw, rows,
+                                     True)[1])["PF"]
+    assert not ops.enabled("chain_prefetch") and launch() == 0
+    with ops.switched("chain_prefetch", True):
+        assert launch() == 1
+    assert launch() == 0
 
 
 GPU_CASES = CASES + MODEL  # the cache split as planned (the emulated cases force theirs)
@@ -242,8 +259,31 @@ def test_chain_wide_metal(case, K, bits, gs, H, obits):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "long"])
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", CASES[:1] + MODEL, ids=repr)
+def test_chain_prefetch_cuda(case, K, bits, gs, H, obits, fold):
+    """With chain_prefetch's L2 hints (the cached K/V rows, the output projection) every output is bit for bit the
+    launch's without them (and right)."""
+    plain = _gpu("cuda", case, K, bits, gs, H, obits, fold)
+    with ops.switched("chain_prefetch", True):
+        hinted = _gpu("cuda", case, K, bits, gs, H, obits, fold)
+    for h, p in zip(hinted, plain):
+        assert mx.array_equal(h, p, equal_nan=True).item(), f"{case}: the prefetch hints changed an output"
+
+
+@pytest.mark.cuda
 def test_decode_with_chain_cuda():
     assert_chain_decodes("attn_chain", "cuda")
+
+
+@pytest.mark.cuda
+def test_decode_with_chain_prefetch_cuda():
+    """The embedded model's decode steps with attn_chain, chain_prefetch on vs off: the same logits to the bit."""
+    calls = []
+    with ops.switched("attn_chain", True):
+        err = decode_rel_err("chain_prefetch", dtype=mx.float32, kernel="attn_chain", calls=calls)
+    assert any(on for on, _ in calls) and any(not on for on, _ in calls)
+    assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
 
 
 @pytest.mark.metal

@@ -19,7 +19,7 @@ from . import attn_decode as ad
 from . import enabled, kernels, metal_source, qmv, register_kernel
 
 SPEC_PARAMS = ad.SPEC_PARAMS + ("WARPS", "QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS", "OBITS", "OGS",
-                                "OLANES", "ORPS")
+                                "OLANES", "ORPS", "PF")  # PF: switch chain_prefetch (ops/moe_chain.py)
 
 
 def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: int, fold: bool) -> dict:
@@ -76,10 +76,11 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
 def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_dtype, B: int, K: int, bits: int,
              group_size: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float, eps: float, eps_in: float,
              scale: float, H: int, obits: int, ogs: int, fold: bool, rows: bool = False, capacity: int = 16,
-             p: Optional[dict] = None, tokens: int = 1, wide: bool = False) -> kernels.Instance:
+             p: Optional[dict] = None, tokens: int = 1, wide: bool = False,
+             prefetch: bool = False) -> kernels.Instance:
     """norm_dtype: q_norm/k_norm's; norm_in_dtype: the input norm's; scale_dtype / oscale_dtype: the input and output
     projections' scales and biases; H: the output projection's rows; p: plan()'s, when the caller has it; tokens:
-    new tokens a row."""
+    new tokens a row; prefetch: chain_prefetch's L2 hints (PF)."""
     M = kernels.row_bucket(B * tokens)
     p = p or plan(M, K, Hq, Hkv, D, bits, H, obits, fold)
     attn = ad.instance(dtype, cache_dtype, norm_dtype, B, Hq, Hkv, D, rope_dims, rope_theta, eps, scale, True,
@@ -87,7 +88,7 @@ def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_
     template = attn.template + (("WARPS", p["WARPS"]), ("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size),
                                 ("M", M), ("K", K), ("LANES", p["qkv"]["LANES"]), ("RPS", p["qkv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)), ("OBITS", obits), ("OGS", ogs),
-                                ("OLANES", p["out"]["LANES"]), ("ORPS", p["out"]["RPS"]))
+                                ("OLANES", p["out"]["LANES"]), ("ORPS", p["out"]["RPS"]), ("PF", int(prefetch)))
     PW = Hq * 2 * D + 2 * Hkv * D
     inputs = ((dtype, (B, tokens, K)), (mx.uint32, (PW, K * bits // 32)), (scale_dtype, (PW, K // group_size)),
               (scale_dtype, (PW, K // group_size)), (norm_in_dtype, (K,))) + attn.inputs[1:] + (
@@ -104,7 +105,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           enabled("attn_decode_wide"))
+           enabled("attn_decode_wide"), enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -119,7 +120,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
         p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold)
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
-                        ogs, fold, rows is not None, p=p, tokens=L, wide=key[-1])
+                        ogs, fold, rows is not None, p=p, tokens=L, wide=key[-2], prefetch=key[-1])
         threads = 32 * p["WARPS"]
         launch = ("attn_chain" if fold else "attn_chain_long", list(inst.template),
                   (blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)
@@ -175,6 +176,8 @@ def _instances(fold: bool) -> list[kernels.Instance]:
                        2048, 4, 64, fold, tokens=L) for L in (2, 5)]  # a speculative verify's tokens
     insts += [instance(t, t, t, t, bf16, bf16, 1, 2048, 4, 64, 16, 2, 256, 64, 1e7, 1e-6, 1e-6, 256**-0.5, 2048, 4, 64,
                        fold, wide=True) for t in (bf16, f32)]  # attn_decode_wide
+    insts += [instance(bf16, bf16, bf16, bf16, bf16, bf16, 1, 2048, 4, 64, 16, 2, 256, 64, 1e7, 1e-6, 1e-6, 256**-0.5,
+                       2048, 4, 64, fold, prefetch=True)]  # chain_prefetch
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 

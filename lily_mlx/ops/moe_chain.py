@@ -18,7 +18,8 @@ from . import enabled, kernels, metal_source, moe, register_kernel, register_swi
 
 SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF")
 # H100 run 36 (ncu): moe_chain reads 16.5 MB a layer in 39.7 us (0.42 TB/s), its phases waiting on one another.
-# With chain_prefetch, phase 1 asks the L2 for the down weights phase 2 will read (kernels/moe_chain.inc, PF).
+# With chain_prefetch, phase 1 asks the L2 for the down weights phase 2 will read (kernels/moe_chain.inc, PF); the
+# DeltaNet and attention chains take the same switch (their state, cache and output projection).
 register_switch("chain_prefetch", "decode chains: a later phase's weights asked into L2 while an earlier phase runs",
                 default_on=False)
 
