@@ -72,7 +72,8 @@ for enable in "" "moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled
     python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline${enable:+_chains}.json"
 done
 # chain_prefetch (opt-in): a chain's early phase asks the L2 for what its later phases read (moe_chain: the routed and
-# shared down projections; deltanet_chain_out: the recurrent state and the output projection), every chain on.
+# shared down projections; deltanet_chain_out: the recurrent state and out_proj; attn_chain: the cached K/V rows and
+# o_proj), every chain on; at 4096 tokens the attention should gain most.
 step 60 150 "decode step, chain_prefetch on vs off (every chain, packed, bundled)" \
   env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights \
   python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch chain_prefetch \
