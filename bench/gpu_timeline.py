@@ -58,8 +58,9 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 12)
 
 def short_name(name: str) -> str:
     """A kernel's name without its argument list and template noise (custom kernels by their lily name)."""
+    name = re.sub(r"\(.*", "", name)
     m = re.search(r"custom_kernel_(\w+?)_(bfloat16|float16|float32|float|half)", name)
-    return m.group(1) if m else re.sub(r"\(.*", "", name)[:60]
+    return m.group(1) if m else name[:70]
 
 
 def trace_steps(model, context: int, steps: int, vocab: int) -> list[tuple[str, float, float]]:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.gpu_timeline import short_name  # noqa: E402
 
 
 def profiler(on: bool) -> None:
@@ -87,13 +88,6 @@ def prefill(model_path: str, tokens: int, layers: int, decode_steps: int = 0) ->
               f"row tiles {tiles}, rows a used expert {np.percentile(counts[counts > 0], [10, 50, 90]).tolist()}")
 
 
-def short(name: str) -> str:
-    """A kernel's name without its argument list and template noise."""
-    name = re.sub(r"\(.*", "", name)
-    m = re.search(r"custom_kernel_(\w+?)_(bfloat16|float16|float32|float|half)", name)
-    return m.group(1) if m else name[:70]
-
-
 PREFILL_ONLY = re.compile(r"deltanet_chunk|deltanet_intra|deltanet_prep|flash_attn|moe_gemm|moe_sort")
 
 
@@ -122,7 +116,7 @@ def summarize(path: str, decode: bool = False) -> None:
         l = launches[i]
         # A kernel's instances apart by grid (the decode step's qmv serves five projections) where ncu measured it.
         grid = int(l.get("launch__grid_size", 0))
-        b = by[short(l["name"]) + (f" [{grid} blocks]" if grid else "")]
+        b = by[short_name(l["name"]) + (f" [{grid} blocks]" if grid else "")]
         b[0] += 1
         b[1] += l.get("gpu__time_duration.sum", 0.0) / 1e3  # ns -> us
         b[2] = l.get("launch__registers_per_thread", 0.0)
