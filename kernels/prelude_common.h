@@ -32,6 +32,15 @@ LILY_INLINE void lily_prefetch_part(TP p, int64_t n_bytes, int part, int parts, 
     LILY_PREFETCH_L2(reinterpret_cast<const LILY_GLOBAL char*>(p) + b);
 }
 
+// lily_prefetch_part of a quantized weight [rows, k] (BITS-bit codes w, scales s and biases b per group of GS).
+template <int BITS, int GS, typename TW, typename TS>
+LILY_INLINE void lily_prefetch_weight_part(TW w, TS s, TS b, int64_t rows, int64_t k, int part, int parts, int tid,
+                                           int nthreads) {
+  lily_prefetch_part(w, rows * k * BITS / 8, part, parts, tid, nthreads);
+  lily_prefetch_part(s, rows * (k / GS) * static_cast<int64_t>(sizeof(s[0])), part, parts, tid, nthreads);
+  lily_prefetch_part(b, rows * (k / GS) * static_cast<int64_t>(sizeof(b[0])), part, parts, tid, nthreads);
+}
+
 // XOR swizzle of a staged chunk's F4C float4s: lanes reading consecutive chunks hit distinct banks.
 template <int F4C>
 LILY_INLINE int lily_swizzle(int chunk) { return F4C >= 8 ? (chunk & 7) : ((chunk >> 1) & 3); }
