@@ -433,6 +433,7 @@ def common_header(text: str) -> str:
     return "".join(out)
 
 
+@functools.lru_cache(maxsize=256)  # every instance of a spec shares its body, and the helper search is ~10 ms
 def header(backend: str, body_text: str = "") -> str:
     """The backend's prelude, its tensor-core tile helpers if `body_text` multiplies tiles (lily_mma) and their
     direct-fragment ones if it calls those (lily_df_), its cross-block ordering if it calls that (lily_sync_), and

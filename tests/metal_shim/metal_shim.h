@@ -2,9 +2,9 @@
 //
 // Default: declarations for `g++ -std=c++17 -fsyntax-only` (no Apple GPU exists in CI): address
 // spaces are empty macros, vectors and half/bfloat are plain structs, simd/barrier calls type-check.
-// With METAL_SHIM_SIM defined (-std=c++20): a SIMT emulator, one std::thread per GPU thread,
-// threadgroups run one after another, simdgroups of 32 exchange values through a barrier, and
-// `threadgroup` arrays become function statics (shared by the running threadgroup's threads).
+// With METAL_SHIM_SIM defined (-std=c++20): a SIMT emulator, one fiber (ucontext) per GPU thread
+// on one OS thread, threadgroups run one after another, simdgroups of 32 exchange values through a
+// barrier, and `threadgroup` arrays become function statics (shared by the running threadgroup's threads).
 #pragma once
 
 #include <atomic>
@@ -13,11 +13,14 @@
 #include <cstring>
 #include <type_traits>
 #ifdef METAL_SHIM_SIM
-#include <barrier>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
-#include <thread>
 #include <vector>
-using metal_sim_os_thread = std::thread;  // named before `thread` becomes an empty macro
 #endif
 
 // Standard headers come first: `thread` and friends are empty macros from here on.
@@ -120,9 +123,27 @@ inline To as_type(const From& v) {
 typedef std::atomic<int> atomic_int;
 enum memory_order { memory_order_relaxed, memory_order_seq_cst };
 enum thread_scope { thread_scope_threadgroup, thread_scope_device };
-inline int atomic_fetch_add_explicit(atomic_int* p, int v, memory_order) { return p->fetch_add(v, std::memory_order_relaxed); }
-inline int atomic_load_explicit(atomic_int* p, memory_order) { return p->load(std::memory_order_relaxed); }
-inline void atomic_store_explicit(atomic_int* p, int v, memory_order) { p->store(v, std::memory_order_relaxed); }
+#ifdef METAL_SHIM_SIM
+namespace metal_sim {
+inline void atomic_written();  // the emulator's scheduler: a write is progress; a spin on a load must let others run
+inline void atomic_polled();
+}  // namespace metal_sim
+#define METAL_SIM_HOOK(call) call
+#else
+#define METAL_SIM_HOOK(call)
+#endif
+inline int atomic_fetch_add_explicit(atomic_int* p, int v, memory_order) {
+  METAL_SIM_HOOK(metal_sim::atomic_written());
+  return p->fetch_add(v, std::memory_order_relaxed);
+}
+inline int atomic_load_explicit(atomic_int* p, memory_order) {
+  METAL_SIM_HOOK(metal_sim::atomic_polled());
+  return p->load(std::memory_order_relaxed);
+}
+inline void atomic_store_explicit(atomic_int* p, int v, memory_order) {
+  METAL_SIM_HOOK(metal_sim::atomic_written());
+  p->store(v, std::memory_order_relaxed);
+}
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) {
@@ -191,27 +212,57 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>&, const simdgroup_m
 
 namespace metal_sim {
 
+// Cooperative scheduling: a fiber runs until it waits (a barrier, a spin on an atomic), then the scheduler resumes the
+// next one. OS threads, one per GPU thread, spent most of an emulated run in the kernel's scheduler.
+struct Barrier {
+  int n = 0, arrived = 0;
+  unsigned generation = 0;
+};
+
 struct Simdgroup {
-  explicit Simdgroup(int n) : bar(n) {}
-  std::barrier<> bar;
+  explicit Simdgroup(int lanes) { bar.n = lanes; }
+  Barrier bar;
   alignas(8) unsigned char slot[32][8];
 };
 
 struct Thread {
   int lane = 0;
   Simdgroup* simd = nullptr;
-  std::barrier<>* group = nullptr;
+  Barrier* group = nullptr;
 };
-inline thread_local Thread self;
+inline Thread self;            // the running fiber's; the scheduler swaps it in before each resume
+inline ucontext_t scheduler;   // where a fiber returns when it waits or ends
+inline ucontext_t* running = nullptr;
+inline unsigned long events = 0;  // arrivals, completed fibers, atomic writes: passes of the scheduler without one
+constexpr int kDeadlockPasses = 1000;  // mean a deadlock
+
+inline unsigned polls = 0;  // atomic loads since the running fiber was resumed
+
+inline void yield() { swapcontext(running, &scheduler); }
+inline void atomic_written() { ++events; }
+inline void atomic_polled() {  // a fiber that keeps loading is spinning: it waits for another one
+  if (++polls > 64) yield();
+}
+
+inline void arrive_and_wait(Barrier& b) {
+  ++events;
+  const unsigned generation = b.generation;
+  if (++b.arrived == b.n) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == generation) yield();
+}
 
 // Every lane publishes its value, all wait, each reads what it needs, all wait again.
 template <typename T, typename F>
 T exchange(T v, F&& combine) {
   static_assert(sizeof(T) <= 8, "simd exchange of a value over 8 bytes");
   std::memcpy(self.simd->slot[self.lane], &v, sizeof(T));
-  self.simd->bar.arrive_and_wait();
+  arrive_and_wait(self.simd->bar);
   T r = combine();
-  self.simd->bar.arrive_and_wait();
+  arrive_and_wait(self.simd->bar);
   return r;
 }
 template <typename T>
@@ -229,6 +280,40 @@ struct Ids {
   uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
 };
 
+// A fiber's stack, with a guard page below it so that an overflow faults instead of overwriting a neighbour.
+constexpr size_t kStackBytes = 256 << 10;
+struct Stack {
+  Stack() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    base = static_cast<char*>(mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
+                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (base == MAP_FAILED) { std::perror("metal_sim: fiber stack"); std::abort(); }
+    mprotect(base, page, PROT_NONE);
+    top = base + page;
+    bytes = kStackBytes + page;
+  }
+  ~Stack() { munmap(base, bytes); }
+  Stack(const Stack&) = delete;
+  char *base, *top;
+  size_t bytes;
+};
+
+struct Fiber {
+  ucontext_t context;
+  Thread state;
+  Ids ids;
+  bool done = false;
+};
+inline const std::function<void(const Ids&)>* kernel = nullptr;
+inline Fiber* starting = nullptr;
+
+inline void fiber_main() {
+  Fiber* f = starting;
+  (*kernel)(f->ids);
+  f->done = true;
+  ++events;  // returning resumes the scheduler (uc_link)
+}
+
 // Runs fn for every thread of a dispatch_threads(grid, group) launch, threadgroups one after another, in index order
 // or, with `reversed`, last first (a kernel that orders its threadgroups must not depend on their indices).
 inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)>& fn, bool reversed = false) {
@@ -236,42 +321,63 @@ inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)
                      (grid.z + group.z - 1) / group.z);
   const int n = static_cast<int>(group.x * group.y * group.z);
   const int nsimd = (n + 31) / 32;
+  std::vector<Stack> stacks(n);
+  std::vector<Fiber> fibers(n);
+  kernel = &fn;
   for (uint iz = 0; iz < groups.z; ++iz)
     for (uint iy = 0; iy < groups.y; ++iy)
       for (uint ix = 0; ix < groups.x; ++ix) {
         const uint gx = reversed ? groups.x - 1 - ix : ix;
         const uint gy = reversed ? groups.y - 1 - iy : iy;
         const uint gz = reversed ? groups.z - 1 - iz : iz;
-        std::barrier<> bar(n);
-        std::vector<Simdgroup*> simds;
-        for (int s = 0; s < nsimd; ++s) simds.push_back(new Simdgroup(std::min(32, n - 32 * s)));
-        std::vector<metal_sim_os_thread> threads;
+        Barrier bar;
+        bar.n = n;
+        std::vector<Simdgroup> simds;
+        simds.reserve(nsimd);
+        for (int s = 0; s < nsimd; ++s) simds.emplace_back(std::min(32, n - 32 * s));
         for (int t = 0; t < n; ++t) {
-          threads.emplace_back([&, t] {
-            Ids ids;
-            const uint3 local(t % group.x, (t / group.x) % group.y, t / (group.x * group.y));
-            ids.thread_position_in_threadgroup = local;
-            ids.threadgroup_position_in_grid = uint3(gx, gy, gz);
-            ids.thread_position_in_grid =
-                uint3(gx * group.x + local.x, gy * group.y + local.y, gz * group.z + local.z);
-            ids.threadgroups_per_grid = groups;
-            ids.threads_per_threadgroup = group;
-            ids.threads_per_grid = grid;
-            ids.grid_size = grid;
-            ids.thread_index_in_threadgroup = t;
-            ids.thread_index_in_simdgroup = t % 32;
-            ids.simdgroup_index_in_threadgroup = t / 32;
-            ids.simdgroups_per_threadgroup = nsimd;
-            ids.threads_per_simdgroup = 32;
-            ids.thread_execution_width = 32;
-            self.lane = t % 32;
-            self.simd = simds[t / 32];
-            self.group = &bar;
-            fn(ids);
-          });
+          Fiber& f = fibers[t];
+          Ids& ids = f.ids;
+          const uint3 local(t % group.x, (t / group.x) % group.y, t / (group.x * group.y));
+          ids.thread_position_in_threadgroup = local;
+          ids.threadgroup_position_in_grid = uint3(gx, gy, gz);
+          ids.thread_position_in_grid = uint3(gx * group.x + local.x, gy * group.y + local.y, gz * group.z + local.z);
+          ids.threadgroups_per_grid = groups;
+          ids.threads_per_threadgroup = group;
+          ids.threads_per_grid = grid;
+          ids.grid_size = grid;
+          ids.thread_index_in_threadgroup = t;
+          ids.thread_index_in_simdgroup = t % 32;
+          ids.simdgroup_index_in_threadgroup = t / 32;
+          ids.simdgroups_per_threadgroup = nsimd;
+          ids.threads_per_simdgroup = 32;
+          ids.thread_execution_width = 32;
+          f.state = Thread{t % 32, &simds[t / 32], &bar};
+          f.done = false;
+          getcontext(&f.context);
+          f.context.uc_stack.ss_sp = stacks[t].top;
+          f.context.uc_stack.ss_size = kStackBytes;
+          f.context.uc_link = &scheduler;
+          makecontext(&f.context, fiber_main, 0);
         }
-        for (auto& th : threads) th.join();
-        for (auto* s : simds) delete s;
+        for (int live = n, idle = 0; live > 0;) {
+          const unsigned long before = events;
+          for (Fiber& f : fibers) {
+            if (f.done) continue;
+            self = f.state;
+            running = &f.context;
+            starting = &f;
+            polls = 0;
+            swapcontext(&scheduler, &f.context);
+            live -= f.done;
+          }
+          idle = events == before ? idle + 1 : 0;
+          if (live > 0 && idle == kDeadlockPasses) {
+            std::fprintf(stderr, "metal_sim: threadgroup (%u, %u, %u) deadlocked: %d of %d threads wait at a barrier "
+                         "or on an atomic that nothing will release\n", gx, gy, gz, live, n);
+            std::abort();
+          }
+        }
       }
 }
 
@@ -313,8 +419,8 @@ template <typename T>
 T simd_broadcast(T v, ushort lane) {
   return simd_shuffle(v, lane);
 }
-inline void threadgroup_barrier(mem_flags) { metal_sim::self.group->arrive_and_wait(); }
-inline void simdgroup_barrier(mem_flags) { metal_sim::self.simd->bar.arrive_and_wait(); }
+inline void threadgroup_barrier(mem_flags) { metal_sim::arrive_and_wait(*metal_sim::self.group); }
+inline void simdgroup_barrier(mem_flags) { metal_sim::arrive_and_wait(metal_sim::self.simd->bar); }
 
 // An 8 x 8 simdgroup matrix: each lane holds row fm, columns fn and fn + 1 (the layout MLX's steel GEMM uses,
 // mlx/backend/metal/kernels/steel/gemm/mma.h), so a multiply gathers the 32 lanes' pairs.
@@ -331,14 +437,14 @@ template <typename T>
 void gather_matrix(const vec<T, 2>& mine, float (&m)[8][8]) {
   vec<float, 2> v(static_cast<float>(mine.x), static_cast<float>(mine.y));
   std::memcpy(self.simd->slot[self.lane], &v, sizeof(v));
-  self.simd->bar.arrive_and_wait();
+  arrive_and_wait(self.simd->bar);
   for (int l = 0; l < 32; ++l) {
     vec<float, 2> p;
     std::memcpy(&p, self.simd->slot[l], sizeof(p));
     m[frag_row(l)][frag_col(l)] = p.x;
     m[frag_row(l)][frag_col(l) + 1] = p.y;
   }
-  self.simd->bar.arrive_and_wait();
+  arrive_and_wait(self.simd->bar);
 }
 }  // namespace metal_sim
 template <typename T>
