@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-parts", action="store_true", help="also time each part of the MoE block at each length")
     ap.add_argument("--sweep", action="store_true", help="also sweep the routed experts' three paths by token count")
     ap.add_argument("--dense-sweep", action="store_true", help="also sweep two dense projections' three paths by rows")
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", metavar="N",
+                    help="the token counts of both sweeps (default: 4 to 2,048 for the experts, 64 to 8,192 dense)")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     cfg = model.config
@@ -377,12 +379,13 @@ def main(argv=None) -> int:
                 print(f"    {name:58} {ms:8.3f} ms", flush=True)
         report["rows"].append(row)
         save()
-    report["expert_sweep"] = expert_sweep(model) if args.sweep else []
+    sweep_tokens = {} if args.sweep_tokens is None else {"tokens": tuple(args.sweep_tokens)}
+    report["expert_sweep"] = expert_sweep(model, **sweep_tokens) if args.sweep else []
     save()
     for r in report["expert_sweep"]:
         print(f"experts at {r['tokens']:4} tokens ({r['rows']:5} rows): quantized gather {r['gather_qmm_ms']:7.3f} ms, "
               f"dequantize + grouped GEMM {r['dequant_gemm_ms']:7.3f} ms, moe_gemm {r['moe_gemm_ms']:7.3f} ms", flush=True)
-    report["dense_sweep"] = dense_sweep(model) if args.dense_sweep else []
+    report["dense_sweep"] = dense_sweep(model, **sweep_tokens) if args.dense_sweep else []
     for r in report["dense_sweep"]:
         ms = {k: "n/a" if r[k + "_ms"] is None else f"{r[k + '_ms']:7.3f} ms" for k in ("quantized_matmul", "dequant_gemm", "moe_gemm")}
         print(f"{r['proj']} {r['K']} -> {r['N']} at {r['rows']:5} rows: quantized matmul {ms['quantized_matmul']}, "
