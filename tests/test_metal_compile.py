@@ -184,11 +184,15 @@ int main(int argc, char** argv) {
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_emulator_scheduler_spins_and_reports_a_deadlock(tmp_path):
-    """The emulator's fibers: a thread spinning on an atomic lets the thread that sets it run; a barrier that a
-    returned thread never reaches ends the run with a message instead of a hang."""
+@pytest.mark.parametrize("switch", ["native", "ucontext"])
+@pytest.mark.parametrize("opt", ["-O0", "-O2"])
+def test_emulator_scheduler_spins_and_reports_a_deadlock(tmp_path, switch, opt):
+    """The emulator's fibers, with its own context switch (x86-64) and with ucontext's (elsewhere): a thread
+    spinning on an atomic lets the thread that sets it run; a barrier that a returned thread never reaches ends the
+    run with a message instead of a hang."""
     (tmp_path / "probe.cpp").write_text(SCHEDULER_PROBE)
-    rc, log = run([GXX, "-std=c++20", "-O0", f"-I{SHIM_DIR}", str(tmp_path / "probe.cpp"), "-o", str(tmp_path / "probe")])
+    rc, log = run([GXX, "-std=c++20", opt, *(["-DMETAL_SIM_UCONTEXT"] if switch == "ucontext" else []), f"-I{SHIM_DIR}",
+                   str(tmp_path / "probe.cpp"), "-o", str(tmp_path / "probe")])
     assert rc == 0, log
     rc, out = run([str(tmp_path / "probe"), "0"], timeout=60)
     assert (rc, out) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))

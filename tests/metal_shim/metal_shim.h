@@ -2,7 +2,7 @@
 //
 // Default: declarations for `g++ -std=c++17 -fsyntax-only` (no Apple GPU exists in CI): address
 // spaces are empty macros, vectors and half/bfloat are plain structs, simd/barrier calls type-check.
-// With METAL_SHIM_SIM defined (-std=c++20): a SIMT emulator, one fiber (ucontext) per GPU thread
+// With METAL_SHIM_SIM defined (-std=c++20): a SIMT emulator, one fiber per GPU thread
 // on one OS thread, threadgroups run one after another, simdgroups of 32 exchange values through a
 // barrier, and `threadgroup` arrays become function statics (shared by the running threadgroup's threads).
 #pragma once
@@ -14,8 +14,10 @@
 #include <type_traits>
 #ifdef METAL_SHIM_SIM
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if !defined(__x86_64__) || defined(METAL_SIM_UCONTEXT)
+#include <ucontext.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -230,15 +232,86 @@ struct Thread {
   Simdgroup* simd = nullptr;
   Barrier* group = nullptr;
 };
-inline Thread self;            // the running fiber's; the scheduler swaps it in before each resume
-inline ucontext_t scheduler;   // where a fiber returns when it waits or ends
-inline ucontext_t* running = nullptr;
+
+// A fiber's stack, with a guard page below it so that an overflow faults instead of overwriting a neighbour.
+constexpr size_t kStackBytes = 256 << 10;
+struct Stack {
+  Stack() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    base = static_cast<char*>(mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
+                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (base == MAP_FAILED) { std::perror("metal_sim: fiber stack"); std::abort(); }
+    mprotect(base, page, PROT_NONE);
+    top = base + page;
+    bytes = kStackBytes + page;
+  }
+  ~Stack() { munmap(base, bytes); }
+  Stack(const Stack&) = delete;
+  char *base, *top;
+  size_t bytes;
+};
+
+#if defined(__x86_64__) && !defined(METAL_SIM_UCONTEXT)
+// Saves the callee-saved registers on the current stack, stores its pointer in *from, and restores `to`'s. glibc's
+// swapcontext also saves the signal mask, a system call per switch: half of an emulated run.
+extern "C" void metal_sim_switch(void** from, void* to);
+asm(R"(
+  .text
+  .p2align 4
+  .type metal_sim_switch, @function
+metal_sim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size metal_sim_switch, .-metal_sim_switch
+)");
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_to(Context& from, Context& to) { metal_sim_switch(&from.sp, to.sp); }
+// A stack that metal_sim_switch's pops and ret turn into a call of entry (which never returns) at ABI alignment.
+inline void prepare(Context& c, Stack& stack, void (*entry)()) {
+  auto* top = reinterpret_cast<uintptr_t*>(reinterpret_cast<uintptr_t>(stack.top + kStackBytes) & ~uintptr_t(15));
+  *--top = 0;
+  *--top = reinterpret_cast<uintptr_t>(entry);
+  for (int r = 0; r < 6; ++r) *--top = 0;
+  c.sp = top;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void prepare(Context& c, Stack& stack, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack.top;
+  c.uc.uc_stack.ss_size = kStackBytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
+inline Thread self;         // the running fiber's; the scheduler swaps it in before each resume
+inline Context scheduler;   // where a fiber goes when it waits or ends
+inline Context* running = nullptr;
 inline unsigned long events = 0;  // arrivals, completed fibers, atomic writes: passes of the scheduler without one
 constexpr int kDeadlockPasses = 1000;  // mean a deadlock
 
 inline unsigned polls = 0;  // atomic loads since the running fiber was resumed
 
-inline void yield() { swapcontext(running, &scheduler); }
+inline void yield() { switch_to(*running, scheduler); }
 inline void atomic_written() { ++events; }
 inline void atomic_polled() {  // a fiber that keeps loading is spinning: it waits for another one
   if (++polls > 64) yield();
@@ -280,26 +353,8 @@ struct Ids {
   uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
 };
 
-// A fiber's stack, with a guard page below it so that an overflow faults instead of overwriting a neighbour.
-constexpr size_t kStackBytes = 256 << 10;
-struct Stack {
-  Stack() {
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    base = static_cast<char*>(mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE,
-                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-    if (base == MAP_FAILED) { std::perror("metal_sim: fiber stack"); std::abort(); }
-    mprotect(base, page, PROT_NONE);
-    top = base + page;
-    bytes = kStackBytes + page;
-  }
-  ~Stack() { munmap(base, bytes); }
-  Stack(const Stack&) = delete;
-  char *base, *top;
-  size_t bytes;
-};
-
 struct Fiber {
-  ucontext_t context;
+  Context context;
   Thread state;
   Ids ids;
   bool done = false;
@@ -311,7 +366,9 @@ inline void fiber_main() {
   Fiber* f = starting;
   (*kernel)(f->ids);
   f->done = true;
-  ++events;  // returning resumes the scheduler (uc_link)
+  ++events;
+  switch_to(f->context, scheduler);  // never resumed
+  std::abort();
 }
 
 // Runs fn for every thread of a dispatch_threads(grid, group) launch, threadgroups one after another, in index order
@@ -354,11 +411,7 @@ inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)
           ids.thread_execution_width = 32;
           f.state = Thread{t % 32, &simds[t / 32], &bar};
           f.done = false;
-          getcontext(&f.context);
-          f.context.uc_stack.ss_sp = stacks[t].top;
-          f.context.uc_stack.ss_size = kStackBytes;
-          f.context.uc_link = &scheduler;
-          makecontext(&f.context, fiber_main, 0);
+          prepare(f.context, stacks[t], fiber_main);
         }
         for (int live = n, idle = 0; live > 0;) {
           const unsigned long before = events;
@@ -368,7 +421,7 @@ inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)
             running = &f.context;
             starting = &f;
             polls = 0;
-            swapcontext(&scheduler, &f.context);
+            switch_to(scheduler, f.context);
             live -= f.done;
           }
           idle = events == before ? idle + 1 : 0;
