@@ -2,7 +2,9 @@
 
 No Apple GPU is reachable, so this is how CI runs the Metal face of every kernel: the full source MLX
 would build (lily_mlx.ops.metal_source), compiled with g++ against the shim, one fiber per GPU
-thread, simdgroups of 32. Outputs start as NaN bytes (0xff), so an unwritten element stays NaN.
+thread, simdgroups of 32. Outputs start as NaN bytes (0xff), so an unwritten element stays NaN. Where g++ can link
+AddressSanitizer, every buffer (inputs, outputs, threadgroup arrays) is bounds-checked: a kernel reading or
+writing past one fails its case.
 
     emu = Emulator(tmp_path)
     case = emu.add(spec, inst, [x, w, ...], grid, threadgroup, [(M, N)])
@@ -11,10 +13,13 @@ thread, simdgroups of 32. Outputs start as NaN bytes (0xff), so an unwritten ele
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -57,9 +62,25 @@ CASES
 """
 
 
-def run(cmd, cwd=None, timeout=900) -> tuple[int, str]:
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+# LeakSanitizer cannot run under ptrace (some CI sandboxes), and the emulator's leaks would not be the kernels'.
+SANITIZER_ENV = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
+
+
+def run(cmd, cwd=None, timeout=900, env=None) -> tuple[int, str]:
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     return r.returncode, (r.stdout + r.stderr)[-8000:]
+
+
+@functools.cache
+def sanitizer_flags() -> tuple[str, ...]:
+    """("-fsanitize=address",) where g++ builds and runs a program with it, else (): the emulator's bounds checks."""
+    if GXX is None:
+        return ()
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "probe.cpp", Path(d) / "probe"
+        src.write_text("int main() { return 0; }\n")
+        ok = run([GXX, "-fsanitize=address", str(src), "-o", str(exe)])[0] == 0 and run([str(exe)], env=SANITIZER_ENV)[0] == 0
+    return ("-fsanitize=address",) if ok else ()
 
 
 def metal_unit(spec, instances) -> str:
@@ -198,11 +219,12 @@ class Emulator:
         unit.write_text("#define METAL_SHIM_SIM 1\n" + '#include "metal_shim.h"\n' + "\n".join(self.sources.values())
                         + MAIN.replace("CASES", "\n".join(self.calls)))
         exe = self.dir / "emulate"
-        rc, log = run([GXX, "-std=c++20", "-O0", "-Wno-attributes", f"-I{SHIM_DIR}", str(unit), "-o", str(exe)])
+        rc, log = run([GXX, "-std=c++20", "-O0", *sanitizer_flags(), "-Wno-attributes", f"-I{SHIM_DIR}", str(unit), "-o",
+                       str(exe)])
         assert rc == 0, f"emulator build failed:\n{log}"
         results = []
         for n, outs in enumerate(self.outputs):
-            rc, log = run([str(exe), str(n), str(self.dir)], timeout=300)
+            rc, log = run([str(exe), str(n), str(self.dir)], timeout=300, env=SANITIZER_ENV)
             assert rc == 0, f"emulated case {n} failed:\n{log}"
             results.append([_from_file(self.dir / f"{n}_out{o}.bin", d, s) for o, (s, d) in enumerate(outs)])
         if self.packed_twins:

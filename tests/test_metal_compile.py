@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from emulator import GXX, SHIM_DIR, Emulator, metal_unit, run
+from emulator import GXX, SANITIZER_ENV, SHIM_DIR, Emulator, metal_unit, run, sanitizer_flags
 from lily_mlx.ops import kernels, metal_source, qmv, reference
 
 NVCC = shutil.which("nvcc")
@@ -161,6 +161,35 @@ def _qmv_case(M, K, N, bits, gs, dt, fusion, key):
                                               group_size=gs, bits=bits)
         ref = (y + res if res is not None else y).astype(mx.float32)
     return x, w, scales, biases, norm, res, ref
+
+
+BOUNDS_PROBE = """#define METAL_SHIM_SIM 1
+#include "metal_shim.h"
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+  const int past = argv[1][0] - '0';  // how far past its own element each thread reads
+  std::vector<char> buffer(64 * sizeof(float), 0);  // as the emulator loads an input: exactly its bytes
+  const device float* x = reinterpret_cast<const float*>(buffer.data());
+  float total = 0;
+  metal_sim::launch(uint3(64, 1, 1), uint3(64, 1, 1), [&](const metal_sim::Ids& ids) {
+    total += x[ids.thread_position_in_grid.x + past];
+  });
+  std::printf("%g", total);
+}
+"""
+
+
+@pytest.mark.skipif(not sanitizer_flags(), reason="g++ cannot build with AddressSanitizer here")
+def test_emulator_catches_a_read_past_a_buffer(tmp_path):
+    """The emulator's builds are bounds-checked: a kernel thread reading one element past its input fails the run."""
+    (tmp_path / "probe.cpp").write_text(BOUNDS_PROBE)
+    rc, log = run([GXX, "-std=c++20", "-O0", *sanitizer_flags(), f"-I{SHIM_DIR}", str(tmp_path / "probe.cpp"), "-o",
+                   str(tmp_path / "probe")])
+    assert rc == 0, log
+    assert run([str(tmp_path / "probe"), "0"], env=SANITIZER_ENV) == (0, "0")
+    rc, log = run([str(tmp_path / "probe"), "1"], env=SANITIZER_ENV)
+    assert rc != 0 and "heap-buffer-overflow" in log, log
 
 
 SCHEDULER_PROBE = """#define METAL_SHIM_SIM 1
