@@ -189,7 +189,8 @@ class Emulator:
 
     def add(self, spec, inst, arrays, grid, group, out_shapes, reversed_groups: bool = False,
             read_back: tuple = ()) -> int:
-        """One launch (grid and group in threads, as MLX takes them), its threadgroups in index order or reversed.
+        """One launch (grid and group in threads, as MLX takes them), its threadgroups and each group's threads in
+        index order or reversed.
         Returns the case number; its results are the outputs, then the inputs in `read_back` as the launch left them."""
         n = self._add(spec, inst, arrays, grid, group, out_shapes, reversed_groups, read_back, None)
         self.plain.append(n)

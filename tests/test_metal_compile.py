@@ -196,17 +196,23 @@ SCHEDULER_PROBE = """#define METAL_SHIM_SIM 1
 #include "metal_shim.h"
 #include <cstdio>
 int main(int argc, char** argv) {
-  const bool leave_early = argv[1][0] == '1';
+  const char mode = argv[1][0];  // s: spin, e: a thread leaves early, f/r: no barrier, threads in order / reversed
   static atomic_int flag;
   int sum = 0;
   metal_sim::launch(uint3(64, 1, 1), uint3(64, 1, 1), [&](const metal_sim::Ids& ids) {
     const uint t = ids.thread_index_in_threadgroup;
-    if (leave_early && t == 5) return;  // never reaches the barrier the others wait at
+    if (mode == 'f' || mode == 'r') {  // each thread reads its neighbour's slot with no barrier after the writes
+      threadgroup int slot[64];
+      slot[t] = int(t);
+      sum += slot[(t + 1) % 64];
+      return;
+    }
+    if (mode == 'e' && t == 5) return;  // never reaches the barrier the others wait at
     if (t == 63) atomic_store_explicit(&flag, 1, memory_order_relaxed);
     if (t == 0) while (atomic_load_explicit(&flag, memory_order_relaxed) == 0) {}  // thread 63 runs after it
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sum += simd_sum(int(t));
-  });
+  }, mode == 'r');
   std::printf("%d", sum);
 }
 """
@@ -218,15 +224,17 @@ int main(int argc, char** argv) {
 def test_emulator_scheduler_spins_and_reports_a_deadlock(tmp_path, switch, opt):
     """The emulator's fibers, with its own context switch (x86-64) and with ucontext's (elsewhere): a thread
     spinning on an atomic lets the thread that sets it run; a barrier that a returned thread never reaches ends the
-    run with a message instead of a hang."""
+    run with a message instead of a hang; a missing barrier shows as a different result in the two thread orders."""
     (tmp_path / "probe.cpp").write_text(SCHEDULER_PROBE)
     rc, log = run([GXX, "-std=c++20", opt, *(["-DMETAL_SIM_UCONTEXT"] if switch == "ucontext" else []), f"-I{SHIM_DIR}",
                    str(tmp_path / "probe.cpp"), "-o", str(tmp_path / "probe")])
     assert rc == 0, log
-    rc, out = run([str(tmp_path / "probe"), "0"], timeout=60)
-    assert (rc, out) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))
-    rc, out = run([str(tmp_path / "probe"), "1"], timeout=60)
+    assert run([str(tmp_path / "probe"), "s"], timeout=60) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))
+    rc, out = run([str(tmp_path / "probe"), "e"], timeout=60)
     assert rc != 0 and "threadgroup (0, 0, 0) deadlocked: 63 of 64 threads wait" in out, out
+    # In order, threads 0-62 read a slot not yet written this launch (0: the static's initial value); reversed, all.
+    assert run([str(tmp_path / "probe"), "f"], timeout=60) == (0, "0")
+    assert run([str(tmp_path / "probe"), "r"], timeout=60) == (0, str(sum(range(64))))
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")

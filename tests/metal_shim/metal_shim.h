@@ -372,7 +372,9 @@ inline void fiber_main() {
 }
 
 // Runs fn for every thread of a dispatch_threads(grid, group) launch, threadgroups one after another, in index order
-// or, with `reversed`, last first (a kernel that orders its threadgroups must not depend on their indices).
+// or, with `reversed`, last first (a kernel that orders its threadgroups must not depend on their indices) and each
+// group's threads resumed last first (a thread reading another's write with no barrier between sees the old value in
+// one of the two orders).
 inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)>& fn, bool reversed = false) {
   const uint3 groups((grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y,
                      (grid.z + group.z - 1) / group.z);
@@ -415,7 +417,8 @@ inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)
         }
         for (int live = n, idle = 0; live > 0;) {
           const unsigned long before = events;
-          for (Fiber& f : fibers) {
+          for (int i = 0; i < n; ++i) {
+            Fiber& f = fibers[reversed ? n - 1 - i : i];
             if (f.done) continue;
             self = f.state;
             running = &f.context;
