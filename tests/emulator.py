@@ -79,8 +79,8 @@ def sanitizer_flags() -> tuple[str, ...]:
     with tempfile.TemporaryDirectory() as d:
         src, exe = Path(d) / "probe.cpp", Path(d) / "probe"
         src.write_text("int main() { return 0; }\n")
-        ok = run([GXX, "-fsanitize=address", str(src), "-o", str(exe)])[0] == 0 and run([str(exe)], env=SANITIZER_ENV)[0] == 0
-    return ("-fsanitize=address",) if ok else ()
+        built = run([GXX, "-fsanitize=address", str(src), "-o", str(exe)])[0] == 0
+        return ("-fsanitize=address",) if built and run([str(exe)], env=SANITIZER_ENV)[0] == 0 else ()
 
 
 def metal_unit(spec, instances) -> str:
@@ -220,8 +220,8 @@ class Emulator:
         unit.write_text("#define METAL_SHIM_SIM 1\n" + '#include "metal_shim.h"\n' + "\n".join(self.sources.values())
                         + MAIN.replace("CASES", "\n".join(self.calls)))
         exe = self.dir / "emulate"
-        rc, log = run([GXX, "-std=c++20", "-O0", *sanitizer_flags(), "-Wno-attributes", f"-I{SHIM_DIR}", str(unit), "-o",
-                       str(exe)])
+        rc, log = run([GXX, "-std=c++20", "-O0", *sanitizer_flags(), "-Wno-attributes", f"-I{SHIM_DIR}", str(unit),
+                       "-o", str(exe)])
         assert rc == 0, f"emulator build failed:\n{log}"
         results = []
         for n, outs in enumerate(self.outputs):

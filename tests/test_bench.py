@@ -323,7 +323,8 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     decode = importlib.import_module(bench.__name__ + ".profile_decode")
     model = str(EMBEDDED_4BIT_MODEL)
     assert prefill.main(["--model", model, "--tokens", "70", "--ab-switch", "deltanet_chunk", "--sweep", "--dense-sweep",
-                         "--sweep-tokens", "4", "80", "--headroom", "0.5", "2", "--layers-ahead", "1", "--json", str(tmp_path / "p.json")]) == 0
+                         "--sweep-tokens", "4", "80", "--headroom", "0.5", "2", "--layers-ahead", "1",
+                         "--json", str(tmp_path / "p.json")]) == 0
     dense = json.loads((tmp_path / "p.json").read_text())["dense_sweep"]
     assert {(r["proj"], r["rows"]) for r in dense} == {(p, n) for p in ("in_proj_qkv", "out_proj") for n in (4, 80)}
     assert all(r["quantized_matmul_ms"] > 0 and r["dequant_gemm_ms"] > 0 for r in dense)

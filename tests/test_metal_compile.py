@@ -3,8 +3,9 @@
 Metal: the full source MLX would build (lily_mlx.ops.metal_source) for each instantiation the
 project uses, against tests/metal_shim/metal_shim.h with `g++ -std=c++17 -fsyntax-only`, the
 [[...]] attributes stripped. CUDA: the same with MLX's CUDA signature through `nvcc -arch=sm_90a`
-when nvcc is installed. Emulated: qmv's Metal source run on the CPU by the shim's SIMT emulator
-(a thread per GPU thread, simdgroups of 32) and compared with the reference.
+when nvcc is installed (device code only, as NVRTC compiles it). Emulated: qmv's Metal source run on the CPU by
+the shim's SIMT emulator (tests/emulator.py) and compared with the reference, and the emulator's own scheduling
+and bounds checks on small probes.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ int main(int argc, char** argv) {
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 @pytest.mark.parametrize("switch", ["native", "ucontext"])
 @pytest.mark.parametrize("opt", ["-O0", "-O2"])
-def test_emulator_scheduler_spins_and_reports_a_deadlock(tmp_path, switch, opt):
+def test_emulator_scheduler_spins_orders_and_reports_a_deadlock(tmp_path, switch, opt):
     """The emulator's fibers, with its own context switch (x86-64) and with ucontext's (elsewhere): a thread
     spinning on an atomic lets the thread that sets it run; a barrier that a returned thread never reaches ends the
     run with a message instead of a hang; a missing barrier shows as a different result in the two thread orders."""
@@ -232,7 +233,8 @@ def test_emulator_scheduler_spins_and_reports_a_deadlock(tmp_path, switch, opt):
     assert run([str(tmp_path / "probe"), "s"], timeout=60) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))
     rc, out = run([str(tmp_path / "probe"), "e"], timeout=60)
     assert rc != 0 and "threadgroup (0, 0, 0) deadlocked: 63 of 64 threads wait" in out, out
-    # In order, threads 0-62 read a slot not yet written this launch (0: the static's initial value); reversed, all.
+    # In order, threads 0-62 read slots not yet written (0, the static's initial value); reversed, every slot but
+    # thread 63's read (slot 0) is written before it is read.
     assert run([str(tmp_path / "probe"), "f"], timeout=60) == (0, "0")
     assert run([str(tmp_path / "probe"), "r"], timeout=60) == (0, str(sum(range(64))))
 
