@@ -164,6 +164,14 @@ def _qmv_case(M, K, N, bits, gs, dt, fusion, key):
     return x, w, scales, biases, norm, res, ref
 
 
+def _build_probe(tmp_path: Path, source: str, *flags: str) -> str:
+    """A small emulator program built against the shim; returns its path."""
+    (tmp_path / "probe.cpp").write_text(source)
+    rc, log = run([GXX, "-std=c++20", *flags, f"-I{SHIM_DIR}", str(tmp_path / "probe.cpp"), "-o", str(tmp_path / "probe")])
+    assert rc == 0, log
+    return str(tmp_path / "probe")
+
+
 BOUNDS_PROBE = """#define METAL_SHIM_SIM 1
 #include "metal_shim.h"
 #include <cstdio>
@@ -184,12 +192,9 @@ int main(int argc, char** argv) {
 @pytest.mark.skipif(not sanitizer_flags(), reason="g++ cannot build with AddressSanitizer here")
 def test_emulator_catches_a_read_past_a_buffer(tmp_path):
     """The emulator's builds are bounds-checked: a kernel thread reading one element past its input fails the run."""
-    (tmp_path / "probe.cpp").write_text(BOUNDS_PROBE)
-    rc, log = run([GXX, "-std=c++20", "-O0", *sanitizer_flags(), f"-I{SHIM_DIR}", str(tmp_path / "probe.cpp"), "-o",
-                   str(tmp_path / "probe")])
-    assert rc == 0, log
-    assert run([str(tmp_path / "probe"), "0"], env=SANITIZER_ENV) == (0, "0")
-    rc, log = run([str(tmp_path / "probe"), "1"], env=SANITIZER_ENV)
+    probe = _build_probe(tmp_path, BOUNDS_PROBE, "-O0", *sanitizer_flags())
+    assert run([probe, "0"], env=SANITIZER_ENV) == (0, "0")
+    rc, log = run([probe, "1"], env=SANITIZER_ENV)
     assert rc != 0 and "heap-buffer-overflow" in log, log
 
 
@@ -226,17 +231,14 @@ def test_emulator_scheduler_spins_orders_and_reports_a_deadlock(tmp_path, switch
     """The emulator's fibers, with its own context switch (x86-64) and with ucontext's (elsewhere): a thread
     spinning on an atomic lets the thread that sets it run; a barrier that a returned thread never reaches ends the
     run with a message instead of a hang; a missing barrier shows as a different result in the two thread orders."""
-    (tmp_path / "probe.cpp").write_text(SCHEDULER_PROBE)
-    rc, log = run([GXX, "-std=c++20", opt, *(["-DMETAL_SIM_UCONTEXT"] if switch == "ucontext" else []), f"-I{SHIM_DIR}",
-                   str(tmp_path / "probe.cpp"), "-o", str(tmp_path / "probe")])
-    assert rc == 0, log
-    assert run([str(tmp_path / "probe"), "s"], timeout=60) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))
-    rc, out = run([str(tmp_path / "probe"), "e"], timeout=60)
+    probe = _build_probe(tmp_path, SCHEDULER_PROBE, opt, *(["-DMETAL_SIM_UCONTEXT"] if switch == "ucontext" else []))
+    assert run([probe, "s"], timeout=60) == (0, str(32 * (sum(range(32)) + sum(range(32, 64)))))
+    rc, out = run([probe, "e"], timeout=60)
     assert rc != 0 and "threadgroup (0, 0, 0) deadlocked: 63 of 64 threads wait" in out, out
     # In order, threads 0-62 read slots not yet written (0, the static's initial value); reversed, every slot but
     # thread 63's read (slot 0) is written before it is read.
-    assert run([str(tmp_path / "probe"), "f"], timeout=60) == (0, "0")
-    assert run([str(tmp_path / "probe"), "r"], timeout=60) == (0, str(sum(range(64))))
+    assert run([probe, "f"], timeout=60) == (0, "0")
+    assert run([probe, "r"], timeout=60) == (0, str(sum(range(64))))
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")

@@ -102,10 +102,11 @@ _LAUNCH: dict = {}  # argument signature -> (spec name, template, grid, threadgr
 
 
 def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, kw, rows, fold):
+    wide, prefetch = enabled("attn_decode_wide"), enabled("chain_prefetch")
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           enabled("attn_decode_wide"), enabled("chain_prefetch"))
+           wide, prefetch)
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -120,7 +121,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
         p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold)
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
-                        ogs, fold, rows is not None, p=p, tokens=L, wide=key[-2], prefetch=key[-1])
+                        ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch)
         threads = 32 * p["WARPS"]
         launch = ("attn_chain" if fold else "attn_chain_long", list(inst.template),
                   (blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)

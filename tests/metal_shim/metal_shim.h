@@ -303,15 +303,30 @@ inline void prepare(Context& c, Stack& stack, void (*entry)()) {
 }
 #endif
 
-inline Thread self;         // the running fiber's; the scheduler swaps it in before each resume
-inline Context scheduler;   // where a fiber goes when it waits or ends
-inline Context* running = nullptr;
+// Values a kernel may ask for by attribute name; uint3 members index x, y, z.
+struct Ids {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
+  uint3 threadgroups_per_grid, threads_per_threadgroup, threads_per_grid, grid_size;
+  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup;
+  uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
+};
+
+struct Fiber {
+  Context context;
+  Thread state;
+  Ids ids;
+  bool done = false;
+};
+
+inline Fiber* current = nullptr;  // the running fiber
+inline Thread self;               // its state; the scheduler copies it in before each resume
+inline Context scheduler;         // where a fiber goes when it waits or ends
 inline unsigned long events = 0;  // arrivals, completed fibers, atomic writes: passes of the scheduler without one
 constexpr int kDeadlockPasses = 1000;  // mean a deadlock
 
 inline unsigned polls = 0;  // atomic loads since the running fiber was resumed
 
-inline void yield() { switch_to(*running, scheduler); }
+inline void yield() { switch_to(current->context, scheduler); }
 inline void atomic_written() { ++events; }
 inline void atomic_polled() {  // a fiber that keeps loading is spinning: it waits for another one
   if (++polls > 64) yield();
@@ -345,25 +360,10 @@ T lane_value(int lane) {
   return r;
 }
 
-// Values a kernel may ask for by attribute name; uint3 members index x, y, z.
-struct Ids {
-  uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
-  uint3 threadgroups_per_grid, threads_per_threadgroup, threads_per_grid, grid_size;
-  uint thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup;
-  uint simdgroups_per_threadgroup, threads_per_simdgroup, thread_execution_width;
-};
-
-struct Fiber {
-  Context context;
-  Thread state;
-  Ids ids;
-  bool done = false;
-};
 inline const std::function<void(const Ids&)>* kernel = nullptr;
-inline Fiber* starting = nullptr;
 
 inline void fiber_main() {
-  Fiber* f = starting;
+  Fiber* f = current;
   (*kernel)(f->ids);
   f->done = true;
   ++events;
@@ -420,9 +420,8 @@ inline void launch(uint3 grid, uint3 group, const std::function<void(const Ids&)
           for (int i = 0; i < n; ++i) {
             Fiber& f = fibers[reversed ? n - 1 - i : i];
             if (f.done) continue;
+            current = &f;
             self = f.state;
-            running = &f.context;
-            starting = &f;
             polls = 0;
             switch_to(scheduler, f.context);
             live -= f.done;
