@@ -6,7 +6,7 @@ reference attention.
 
 CPU: the kernels' Metal sources on the shim's SIMT emulator, threadgroups in index order or last first, outputs
 poisoned with NaN, the counters read back zero; the dispatcher rules. `cuda` / `metal`: the same through MLX, two
-launches on one layer's counters, and the embedded models' decode steps with the switch on vs off.
+launches in one eval (tests/counters.py), and the embedded models' decode steps with the switch on vs off.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lily_mlx.ops import attn_chain as ac
 from lily_mlx.ops import attn_decode as ad
 from lily_mlx.ops import kernels, reference
 from emulator import GXX, Emulator
+from counters import assert_launches_agree
 from switch_ab import assert_chain_decodes, decode_rel_err
 from test_attn_decode import BF16, F16, F32, TOL, Case, _check, _rel
 
@@ -194,22 +195,16 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
 
 
 def _gpu(backend, case, K, bits, gs, H, obits, fold):
-    """Two launches on one layer's counters: both right, the second equal to the first, the counters zero after."""
+    """Right, and assert_launches_agree: launches in one eval on counters of their own, equal, counters zero after."""
     inputs = _inputs(case, K, bits, gs, H, obits)
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
     row_start, row_pos = case.rows()
     kw = dict(case.kw(), row_start=row_start, row_pos=row_pos)
     run = lambda: ac.decode_add(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, fold=fold,
                                 backend=backend, init_value=NAN, **kw)
-    first = run()
-    assert first is not None, f"attn_chain declined {case}"
-    mx.eval(first)
-    second = run()
-    mx.eval(second)
+    assert run() is not None, f"attn_chain declined {case}"
+    first = assert_launches_agree(run, str(case))
     _check_chain(case, inputs, first, fold and ad.splits(case.B * case.tokens, case.Hkv, case.cap) <= ad.FOLD_MAX_SPLITS)
-    for f, s in zip(first, second):
-        assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
-    assert not np.array(kernels.sync_counters(qkv[0])).any()
     return first
 
 

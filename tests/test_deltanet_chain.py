@@ -3,7 +3,7 @@ references, phase by phase: the projection against the float32 oracle, the step 
 as tests/test_deltanet_step.py checks deltanet_step.
 
 CPU: the kernel's Metal source on the shim's SIMT emulator, threadgroups in index order or last first, the counters
-read back zero; the dispatcher rules. `cuda` / `metal`: the same through MLX, two launches on one layer's counters,
+read back zero; the dispatcher rules. `cuda` / `metal`: the same through MLX, launches in one eval (tests/counters.py),
 and the embedded model's decode steps with the switch on vs off.
 """
 
@@ -17,6 +17,7 @@ from lily_mlx import ops
 from lily_mlx.ops import deltanet_chain as dc
 from lily_mlx.ops import kernels, qmv, reference
 from emulator import GXX, Emulator
+from counters import assert_launches_agree
 from switch_ab import assert_chain_decodes, decode_rel_err
 from test_deltanet_step import BF16, F32, Case, _check_step
 
@@ -187,20 +188,14 @@ def test_chain_out_is_opt_in_and_needs_its_kernels(monkeypatch):
 
 
 def _gpu(backend, case, K, bits, gs, with_out=False):
-    """Two launches on one layer's counters: both right, the second equal to the first, the counters zero after."""
+    """Right, and assert_launches_agree: launches in one eval on counters of their own, equal, counters zero after."""
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
     out_proj = _out_proj(case, K) if with_out else None
     run = lambda: dc.step(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
                           num_key_heads=case.Hk, eps=case.eps, mask=mask, out_proj=out_proj,
                           residual=x if with_out else None, backend=backend, init_value=NAN)
-    first = run()
-    mx.eval(first)
-    second = run()
-    mx.eval(second)
+    first = assert_launches_agree(run, str(case))
     _check(case, x, norm, in_proj, params, conv_state, state, mask, first, out_proj)
-    for f, s in zip(first, second):
-        assert mx.array_equal(f, s, equal_nan=True).item(), f"{case}: a second launch differs"
-    assert not np.array(kernels.sync_counters(in_proj[0])).any()
     return first
 
 

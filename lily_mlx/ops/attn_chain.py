@@ -1,6 +1,6 @@
 """attn_chain: a gated-attention layer's decode token in one launch (kernels/attn_chain.inc, CUDA and Metal): qmv's body
 (input RMSNorm + the fused q|k|v projection), attn_decode's body (split over the cache) and qmv_attn's body (the
-splits merged and gated inside o_proj, the residual added) as three phases of one grid, ordered through the layer's
+splits merged and gated inside o_proj, the residual added) as three phases of one grid, ordered through the launch's
 counters (`kernels.sync_counters`) as moe_chain orders its three. Where qmv_attn would not merge the splits (past
 attn_decode.FOLD_MAX_SPLITS, or switched off), variant attn_chain_long runs attn_combine's body and then qmv's as
 phases 2 and 3, so the chain serves every context length. Two launches fewer in each of the 10 attention layers of a
@@ -152,7 +152,7 @@ def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, val
     (B, L, _), (_, Hkv, _, D) = x.shape, keys.shape
     Hq, PW = n_heads, qkv[0].shape[0]
     inputs = [x, *qkv[:3], norm[0], q_norm_weight, k_norm_weight, keys, values, offset, ad._plane_array(plane),
-              *(rows or (ad._plane_array(0), ad._plane_array(0))), *o_proj[:3], residual, kernels.sync_counters(qkv[0])]
+              *(rows or (ad._plane_array(0), ad._plane_array(0))), *o_proj[:3], residual, kernels.sync_counters()]
     shapes = [(B, Hkv, L, D), (B, Hkv, L, D), (B * L, Hq, ns, D), (B * L, Hq, ns, 2), (B, L, PW)]
     dtypes = [keys.dtype, keys.dtype, mx.float32, mx.float32, x.dtype]
     if name == "attn_chain_long":

@@ -1,6 +1,6 @@
 """deltanet_chain: a Gated DeltaNet layer's decode token in one launch (kernels/deltanet_chain.inc, CUDA and Metal):
 qmv's body (input RMSNorm + the fused projection [qkv | z | b | a]) and deltanet_step's body as two phases of one
-grid, ordered through the layer's counters (`kernels.sync_counters`) as moe_chain orders its three. Variant
+grid, ordered through the launch's counters (`kernels.sync_counters`) as moe_chain orders its three. Variant
 deltanet_chain_out adds a third phase, qmv's body again for the output projection and the residual add, so the
 layer's whole mixer half is one launch. One or two launches fewer in each of the 30 DeltaNet layers of a decode
 step, the GPU's work unchanged.
@@ -152,7 +152,7 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
         name, inputs = "deltanet_chain_out", inputs + [*out_proj[:3], residual]
         shapes.append(residual.shape)
         dtypes.append(x.dtype)
-    inputs.append(kernels.sync_counters(in_proj[0]))
+    inputs.append(kernels.sync_counters())
     return tuple(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value))
 
 

@@ -19,7 +19,6 @@ import os
 import re
 import struct
 import tempfile
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence, Union
@@ -154,23 +153,15 @@ def placeholder(dtype: mx.Dtype) -> mx.array:
 
 
 SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
-_SYNC: dict[int, dict[str, mx.array]] = {}  # id(owner array) -> {stream: counters}; an entry goes with its owner
 
 
-def sync_counters(owner: mx.array) -> mx.array:
-    """The int32 counters (zero between launches) that a chained kernel orders its phases through (lily_sync_*), for
-    the launches `owner` (a layer's own weight) takes part in on the current stream: two launches at once on one set
-    would mix their tickets. Made from host data, so even a first call inside an mx.compile trace makes a constant of
-    the trace, not a primitive that refills it every step."""
-    key = id(owner)
-    per_stream = _SYNC.get(key)
-    if per_stream is None:
-        per_stream = _SYNC[key] = {}
-        weakref.finalize(owner, _SYNC.pop, key, None)
-    stream = str(mx.default_stream(mx.default_device()))
-    if stream not in per_stream:
-        per_stream[stream] = mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
-    return per_stream[stream]
+def sync_counters() -> mx.array:
+    """Fresh int32 zeros for one launch of a kernel that orders its phases through counters (lily_sync_*). Never
+    shared between launches: MLX's CUDA graphs order a kernel only after the last writer of its inputs, so two
+    launches that merely read the same counters can run at once and mix their tickets (two decodes of one model in
+    one eval did, H100 run 40). Made from host data: inside an mx.compile trace it is a constant of that launch site,
+    which every replay reuses, hence every launch leaves its counters zero again."""
+    return mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:

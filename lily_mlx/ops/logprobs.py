@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
 from . import kernels, metal_source, register_kernel
 
@@ -40,12 +39,6 @@ def instance(dtype, R: int, V: int) -> kernels.Instance:
                             ((dtype, (R, V)), (mx.int32, (kernels.SYNC_SLOTS,))), (dtype, mx.uint32, mx.float32))
 
 
-def _counters() -> mx.array:
-    """Fresh zero counters a launch: two launches of one graph (an MTP verify's two samples) may run at once, and a
-    made array is a constant, not a primitive, even inside an mx.compile trace."""
-    return mx.array(np.zeros(kernels.SYNC_SLOTS, dtype=np.int32))
-
-
 def _launch(name: str, logits: mx.array, backend: str, init_value: Optional[float]):
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
@@ -53,7 +46,7 @@ def _launch(name: str, logits: mx.array, backend: str, init_value: Optional[floa
     blocks = R * NB * (1 if name == "logprobs_argmax" else 2)
     shapes = [(1,) if name == "logprobs_argmax" else x.shape, (R,), (R, NB, 4)]
     inst = instance(logits.dtype, R, V)
-    return kernels.call(name, backend, [x, _counters()], list(inst.template), (blocks * THREADS, 1, 1),
+    return kernels.call(name, backend, [x, kernels.sync_counters()], list(inst.template), (blocks * THREADS, 1, 1),
                         (THREADS, 1, 1), shapes, list(inst.output_dtypes), init_value)
 
 

@@ -4,7 +4,7 @@ device memory. A decode step is bound by MLX's CPU cost per launch (H200: ~12.8 
 BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (80 of the 247 at the
 35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
 
-Each layer owns its counters (`kernels.sync_counters`): int32 zeros that every launch leaves zero again. Switch
+Each launch gets its own counters (`kernels.sync_counters`), int32 zeros that it leaves zero again. Switch
 "moe_chain", opt-in: its cuda tests pass (H100 run 34), but the chained step is no faster than the defaults there.
 """
 
@@ -129,7 +129,7 @@ def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, 
     template, grid, group, LS, width = launch
     lead = x.shape[:-1]
     inputs = [x, norm[0], *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
-              kernels.sync_counters(down[0])]
+              kernels.sync_counters()]
     return tuple(kernels.call("moe_chain", backend, inputs, template, grid, group,
                               [x.shape, (*lead, LS), (*lead, width)], [x.dtype, x.dtype, mx.float32], init_value))
 
