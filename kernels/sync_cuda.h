@@ -5,6 +5,12 @@
 #ifndef LILY_SYNC_CUDA_H
 #define LILY_SYNC_CUDA_H
 
+// How long a waiting block's thread 0 sleeps between polls of its counter: up to ~500 blocks poll one line while
+// the phase before runs. A constant an experiment may set (kernels.experiment_defines).
+#ifndef LILY_SYNC_SLEEP_NS
+#define LILY_SYNC_SLEEP_NS 64
+#endif
+
 // A block-wide barrier that also orders its threads' device-memory accesses (__syncthreads does on CUDA).
 #define LILY_DEVICE_BARRIER() __syncthreads()
 LILY_INLINE int lily_sync_ticket(const int* sync) { return atomicAdd(const_cast<int*>(sync), 1); }
@@ -15,7 +21,7 @@ LILY_INLINE int lily_sync_arrive(const int* sync, int slot) {
 }
 LILY_INLINE void lily_sync_wait(const int* sync, int slot, int count) {
   const volatile int* p = sync + slot;
-  while (*p < count) __nanosleep(64);
+  while (*p < count) __nanosleep(LILY_SYNC_SLEEP_NS);
   __threadfence();
 }
 LILY_INLINE void lily_sync_reset(const int* sync, int slots) {

@@ -65,19 +65,18 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
-# Issue 4: is a pipelined decode step bound by its kernels or by the GPU idling between MLX's launches? The GPU's own
-# timeline (CUPTI kernel records through torch.profiler), the defaults and every chain, contexts 64 and 4096.
-for enable in "" "moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights"; do
-  step 60 120 "decode step on the GPU's timeline${enable:+, every chain}" env LILY_MLX_ENABLE="$enable" \
-    python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline${enable:+_chains}.json"
+# Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
+# defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
+# Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS apart)? The chains'
+# kernel times with the default 64 ns, with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile.
+chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
+for sleep in "" 0 1024; do
+  step 60 150 "every chain on the GPU's timeline${sleep:+, LILY_SYNC_SLEEP_NS=$sleep}" env LILY_MLX_ENABLE="$chains" \
+    ${sleep:+LILY_MLX_KERNEL_DEFINES=LILY_SYNC_SLEEP_NS=$sleep} python3 -m bench.gpu_timeline --model "$model" \
+    --context 64 4096 --json "$res/timeline_chains${sleep:+_sleep$sleep}.json"
 done
-# chain_prefetch (opt-in): a chain's early phase asks the L2 for what its later phases read (moe_chain: the routed and
-# shared down projections; deltanet_chain_out: the recurrent state and out_proj; attn_chain: the cached K/V rows and
-# o_proj), every chain on; at 4096 tokens the attention should gain most.
-step 60 150 "decode step, chain_prefetch on vs off (every chain, packed, bundled)" \
-  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights \
-  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch chain_prefetch \
-  --json "$res/decode_ab_chain_prefetch.json"
+step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
+  --json "$res/timeline.json"
 # Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
 # experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
 # stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).

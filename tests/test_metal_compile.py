@@ -131,6 +131,28 @@ def test_cuda_kernels_compile(tmp_path):
     assert rc == 0, f"the CUDA sources do not compile:\n{log}"
 
 
+def test_experiment_defines_reach_every_header(monkeypatch):
+    """$LILY_MLX_KERNEL_DEFINES puts its #defines before a kernel's header (before the #ifndef defaults), on both
+    backends; anything but LILY_* NAME=one-token VALUE is refused with the variable named."""
+    spec = kernels.SPECS["moe_chain"]
+    try:
+        monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_SYNC_SLEEP_NS=512, LILY_X=-1")
+        kernels.experiment_defines.cache_clear()
+        for backend in ("cuda", "metal"):
+            hdr = kernels.spec_header(spec, backend, kernels.body(spec, backend))
+            assert hdr.startswith("#define LILY_SYNC_SLEEP_NS 512\n#define LILY_X -1\n")
+        assert "__nanosleep(LILY_SYNC_SLEEP_NS)" in kernels.full_source(spec, "cuda", spec.instances()[0])[1]
+        for bad in ("LILY_SYNC_SLEEP_NS", "SLEEP=5", "LILY_A=1;2", "LILY_A=a b"):
+            monkeypatch.setenv(kernels.DEFINES_ENV, bad)
+            kernels.experiment_defines.cache_clear()
+            with pytest.raises(ValueError, match=kernels.DEFINES_ENV):
+                kernels.experiment_defines()
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_defines.cache_clear()
+    assert kernels.experiment_defines() == ""
+
+
 # ---- emulated Metal run -------------------------------------------------------------------------
 
 # (M, K, N, bits, group, x dtype, fusion): LANES 32/16/8/4, several K tiles (M=8), partial last

@@ -499,9 +499,27 @@ def body(spec: KernelSpec, backend: str) -> str:
     return read_source(f"entry_{backend}.inc") + "\n" + preamble + text
 
 
+DEFINES_ENV = "LILY_MLX_KERNEL_DEFINES"
+
+
+@functools.lru_cache(maxsize=None)
+def experiment_defines() -> str:
+    """#define lines from $LILY_MLX_KERNEL_DEFINES ("NAME=VALUE,..."), put before every kernel's header: a kernel
+    experiment sets a constant its headers default with #ifndef (e.g. LILY_SYNC_SLEEP_NS) without a new build of
+    the package. A new value is new source, so MLX compiles it afresh."""
+    text = os.environ.get(DEFINES_ENV, "").strip()
+    lines = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"LILY_[A-Z0-9_]+", name) or not re.fullmatch(r"[-+.\w]+", value):
+            raise ValueError(f"{DEFINES_ENV}: {item!r} is not NAME=VALUE with NAME a LILY_* macro and VALUE one token")
+        lines.append(f"#define {name} {value}\n")
+    return "".join(lines)
+
+
 def spec_header(spec: KernelSpec, backend: str, src: str) -> str:
-    """header(backend, src), with the spec's CUDA launch bounds last."""
-    hdr = header(backend, src)
+    """header(backend, src) after experiment_defines(), with the spec's CUDA launch bounds last."""
+    hdr = experiment_defines() + header(backend, src)
     if backend == "cuda" and spec.cuda_launch_bounds:
         bounds = ", ".join(str(b) for b in spec.cuda_launch_bounds)
         hdr += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({bounds})\n"
