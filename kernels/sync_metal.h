@@ -25,4 +25,10 @@ LILY_INLINE void lily_sync_reset(const device int* sync, int slots) {
   for (int i = 0; i < slots; ++i) atomic_store_explicit(LILY_SYNC_PTR(sync) + i, 0, memory_order_relaxed);
 }
 
+// sync_cuda.h's trace hooks: Metal has no global timer to read, so nothing is recorded.
+#define LILY_TRACE_DECL
+#define LILY_TRACE_BEGIN() ((void)0)
+#define LILY_TRACE_WAITED() ((void)0)
+#define LILY_TRACE_END(vb, phase) ((void)0)
+
 #endif

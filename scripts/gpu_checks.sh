@@ -67,13 +67,19 @@ fi
 wait
 # Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
 # defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
-# Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS apart)? The chains'
-# kernel times with the default 64 ns, with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
-for sleep in "" 0 1024; do
-  step 60 150 "every chain on the GPU's timeline${sleep:+, LILY_SYNC_SLEEP_NS=$sleep}" env LILY_MLX_ENABLE="$chains" \
-    ${sleep:+LILY_MLX_KERNEL_DEFINES=LILY_SYNC_SLEEP_NS=$sleep} python3 -m bench.gpu_timeline --model "$model" \
-    --context 64 4096 --json "$res/timeline_chains${sleep:+_sleep$sleep}.json"
+step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
+  --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
+# Where inside a chain: each block's SM, phase, ticket, wait and end by %globaltimer (bench/chain_trace.py).
+step 60 150 "inside every chain: blocks' tickets, waits and ends" env LILY_MLX_ENABLE="$chains" \
+  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
+  --json "$res/chain_trace.json"
+# Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
+# chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
+for sleep in 0 1024; do
+  step 60 150 "every chain on the GPU's timeline, LILY_SYNC_SLEEP_NS=$sleep" env LILY_MLX_ENABLE="$chains" \
+    LILY_MLX_KERNEL_DEFINES=LILY_SYNC_SLEEP_NS=$sleep python3 -m bench.gpu_timeline --model "$model" \
+    --context 64 4096 --json "$res/timeline_chains_sleep$sleep.json"
 done
 step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline.json"

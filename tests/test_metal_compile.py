@@ -131,25 +131,53 @@ def test_cuda_kernels_compile(tmp_path):
     assert rc == 0, f"the CUDA sources do not compile:\n{log}"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
+def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
+    """The chained kernels with bench/chain_trace.py's experiment define (LILY_CHAIN_TRACE) compile; their counters
+    then have room for the records."""
+    inc = tmp_path / "include" / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True)
+    (inc / "utils.cuh").write_text(CUDA_UTILS_STANDIN)
+    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CHAIN_TRACE=64")
+    kernels.experiment_values.cache_clear()
+    try:
+        assert kernels.sync_counters().shape == (kernels.SYNC_SLOTS + kernels.TRACE_FIELDS * 64,)
+        names = sorted(("moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long"),
+                       key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
+        unit = tmp_path / "chains.cu"
+        unit.write_text("\n".join(kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1]
+                                  for n in names))
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_values.cache_clear()
+    assert "lily_trace_record(sync, vb, phase" in unit.read_text()
+    header = (kernels.kernel_dir() / "sync_cuda.h").read_text()
+    assert f"#define LILY_SYNC_SLOTS {kernels.SYNC_SLOTS} " in header
+    assert f"#define LILY_TRACE_FIELDS {kernels.TRACE_FIELDS} " in header
+    rc, log = run([NVCC, "-std=c++17", "-arch=sm_90a", f"-I{tmp_path / 'include'}", "-x", "cu", "-fdevice-syntax-only",
+                   "-ptx", str(unit), "-o", str(tmp_path / "chains.ptx")])
+    assert rc == 0, f"the traced chains do not compile:\n{log}"
+
+
 def test_experiment_defines_reach_every_header(monkeypatch):
     """$LILY_MLX_KERNEL_DEFINES puts its #defines before a kernel's header (before the #ifndef defaults), on both
     backends; anything but LILY_* NAME=one-token VALUE is refused with the variable named."""
     spec = kernels.SPECS["moe_chain"]
     try:
         monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_SYNC_SLEEP_NS=512, LILY_X=-1")
-        kernels.experiment_defines.cache_clear()
+        kernels.experiment_values.cache_clear()
         for backend in ("cuda", "metal"):
             hdr = kernels.spec_header(spec, backend, kernels.body(spec, backend))
             assert hdr.startswith("#define LILY_SYNC_SLEEP_NS 512\n#define LILY_X -1\n")
         assert "__nanosleep(LILY_SYNC_SLEEP_NS)" in kernels.full_source(spec, "cuda", spec.instances()[0])[1]
         for bad in ("LILY_SYNC_SLEEP_NS", "SLEEP=5", "LILY_A=1;2", "LILY_A=a b"):
             monkeypatch.setenv(kernels.DEFINES_ENV, bad)
-            kernels.experiment_defines.cache_clear()
+            kernels.experiment_values.cache_clear()
             with pytest.raises(ValueError, match=kernels.DEFINES_ENV):
-                kernels.experiment_defines()
+                kernels.experiment_values()
     finally:
         monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_defines.cache_clear()
+        kernels.experiment_values.cache_clear()
     assert kernels.experiment_defines() == ""
 
 

@@ -160,8 +160,20 @@ def sync_counters() -> mx.array:
     shared between launches: MLX's CUDA graphs order a kernel only after the last writer of its inputs, so two
     launches that merely read the same counters can run at once and mix their tickets (two decodes of one model in
     one eval did, H100 run 40). Made from host data: inside an mx.compile trace it is a constant of that launch site,
-    which every replay reuses, hence every launch leaves its counters zero again."""
-    return mx.array(np.zeros(SYNC_SLOTS, dtype=np.int32))
+    which every replay reuses, hence every launch leaves its counters zero again. Under the experiment define
+    LILY_CHAIN_TRACE=n the blocks' trace records follow the counters (bench/chain_trace.py)."""
+    return mx.array(np.zeros(SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks(), dtype=np.int32))
+
+
+TRACE_FIELDS = 4  # a traced block's record: SM | phase << 16, start, waited, ended (ns; sync_cuda.h)
+
+
+def chain_trace_blocks() -> int:
+    """How many blocks a chained launch records (experiment define LILY_CHAIN_TRACE; 0: none)."""
+    value = experiment_values().get("LILY_CHAIN_TRACE", "0")
+    if not value.isdigit():
+        raise ValueError(f"{DEFINES_ENV}: LILY_CHAIN_TRACE={value!r} is not a whole number of blocks")
+    return int(value)
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:
@@ -503,18 +515,23 @@ DEFINES_ENV = "LILY_MLX_KERNEL_DEFINES"
 
 
 @functools.lru_cache(maxsize=None)
-def experiment_defines() -> str:
-    """#define lines from $LILY_MLX_KERNEL_DEFINES ("NAME=VALUE,..."), put before every kernel's header: a kernel
-    experiment sets a constant its headers default with #ifndef (e.g. LILY_SYNC_SLEEP_NS) without a new build of
-    the package. A new value is new source, so MLX compiles it afresh."""
+def experiment_values() -> dict[str, str]:
+    """$LILY_MLX_KERNEL_DEFINES ("NAME=VALUE,...") as {NAME: VALUE}: constants a kernel experiment sets where the
+    headers default them with #ifndef (LILY_SYNC_SLEEP_NS, LILY_CHAIN_TRACE), with no new build of the package. A
+    new value is new source, so MLX compiles it afresh."""
     text = os.environ.get(DEFINES_ENV, "").strip()
-    lines = []
+    values = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, eq, value = item.partition("=")
         if not eq or not re.fullmatch(r"LILY_[A-Z0-9_]+", name) or not re.fullmatch(r"[-+.\w]+", value):
             raise ValueError(f"{DEFINES_ENV}: {item!r} is not NAME=VALUE with NAME a LILY_* macro and VALUE one token")
-        lines.append(f"#define {name} {value}\n")
-    return "".join(lines)
+        values[name] = value
+    return values
+
+
+def experiment_defines() -> str:
+    """experiment_values() as the #define lines put before every kernel's header."""
+    return "".join(f"#define {n} {v}\n" for n, v in experiment_values().items())
 
 
 def spec_header(spec: KernelSpec, backend: str, src: str) -> str:

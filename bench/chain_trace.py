@@ -1,0 +1,134 @@
+"""Inside a decode step's chained kernels: each block's SM and phase, when it took its ticket, how long it waited for
+the phase before and when it ended, by the GPU's %globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
+The timeline (run 38) has every chain slower than the kernels it replaces; this shows where inside it the time
+goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the blocks' own work.
+
+    LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \\
+        python -m bench.chain_trace --model PATH --context 64 4096
+
+The steps run eagerly, not through the compiled decoder, so that every launch has counters of its own to read
+back; a block's timings inside its launch do not depend on that. Needs MLX's CUDA backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+CHAINS = ("moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long")
+
+
+def phases(records: np.ndarray) -> dict:
+    """records [blocks, 4] int32 of one launch (SM | phase << 16, ticket time, waited, ended; ns, the ticket time
+    mod 2^32, the others after it) -> the launch's span and, per phase, its blocks and SMs, the first and last
+    ticket, the first and last resume (after the wait), the last end, a block's mean time after its wait, and the
+    wake-up (first resume after the phase before's last end); times in us from the launch's first ticket."""
+    sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
+    t = records[:, 1].astype(np.int64)
+    t = (t - t[0] + 2**31) % 2**32 - 2**31  # the low 32 bits wrap every 4.3 s
+    t -= t.min()
+    resumed, ended = t + records[:, 2], t + records[:, 3]
+    out, before_end = {"span_us": float(ended.max()) / 1e3, "phases": []}, None
+    for p in sorted(set(phase.tolist())):
+        m = phase == p
+        row = {"phase": p, "blocks": int(m.sum()), "sms": int(len(set(sm[m].tolist()))),
+               "tickets_us": [float(t[m].min()) / 1e3, float(t[m].max()) / 1e3],
+               "resumed_us": [float(resumed[m].min()) / 1e3, float(resumed[m].max()) / 1e3],
+               "ended_us": float(ended[m].max()) / 1e3,
+               "work_us": float((ended[m] - resumed[m]).mean()) / 1e3}
+        if before_end is not None:
+            row["wake_us"] = row["resumed_us"][0] - before_end
+        before_end = row["ended_us"]
+        out["phases"].append(row)
+    return out
+
+
+def mean_of(launches: list[dict]) -> dict:
+    """The launches' phases() averaged field by field (launches of one kernel share their phases)."""
+    avg = lambda xs: [float(v) for v in np.mean(np.array(xs, dtype=float), axis=0)] if isinstance(xs[0], list) \
+        else float(np.mean(xs))
+    out = {"launches": len(launches), "span_us": avg([la["span_us"] for la in launches]), "phases": []}
+    for i, first in enumerate(launches[0]["phases"]):
+        rows = [la["phases"][i] for la in launches if len(la["phases"]) > i]
+        out["phases"].append({k: (first[k] if k == "phase" else avg([r[k] for r in rows if k in r]))
+                              for k in first})
+    return out
+
+
+def trace(model, context: int, steps: int, vocab: int) -> dict[str, list[dict]]:
+    """phases() of every chained launch over `steps` eager decode steps after a `context`-token prefill, by kernel."""
+    import mlx.core as mx
+
+    from lily_mlx.ops import kernels
+
+    from .profile_decode import prefilled_cache
+
+    blocks = kernels.chain_trace_blocks()
+    if not blocks:
+        raise SystemExit(f"chain_trace: set {kernels.DEFINES_ENV}=LILY_CHAIN_TRACE=<blocks>, e.g. 4096")
+    cache, tok = prefilled_cache(model, context, vocab), mx.array([[1]])
+    launches, real = [], kernels.call
+
+    def spy(name, backend, inputs, template, grid, threadgroup, *args, **kwargs):
+        out = real(name, backend, inputs, template, grid, threadgroup, *args, **kwargs)
+        if name in CHAINS:
+            launches.append((name, inputs[kernels.SPECS[name].input_names.index("sync")], grid[0] // threadgroup[0]))
+        return out
+
+    by_kernel = defaultdict(list)
+    kernels.call = spy
+    try:
+        for step in range(2 + steps):  # two to compile
+            launches.clear()
+            tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(tok)
+            if step < 2:
+                continue
+            for name, sync, n in launches:
+                if n > blocks:
+                    raise SystemExit(f"chain_trace: {name} launches {n} blocks, past LILY_CHAIN_TRACE={blocks}")
+                rec = np.array(sync)[kernels.SYNC_SLOTS:].reshape(-1, kernels.TRACE_FIELDS)[:n]
+                by_kernel[name].append(phases(rec))
+    finally:
+        kernels.call = real
+    if not by_kernel:
+        raise SystemExit("chain_trace: no chained launch ran (LILY_MLX_ENABLE names the chains; CUDA backend only)")
+    return by_kernel
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import lily_mlx
+
+    ap = argparse.ArgumentParser(prog="python -m bench.chain_trace", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--context", type=int, nargs="+", default=[64])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", dest="json_path")
+    args = ap.parse_args(argv)
+    model, _ = lily_mlx.load(args.model)
+    report = {"model": args.model, "contexts": []}
+    for ctx in args.context:
+        kinds = {name: mean_of(ls) for name, ls in trace(model, ctx, args.steps, model.config.vocab_size).items()}
+        report["contexts"].append({"context": ctx, "kernels": kinds})
+        for name, k in kinds.items():
+            print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first ticket to the last end "
+                  f"({k['launches']} launches)")
+            for p in k["phases"]:
+                wake = f", woke {p['wake_us']:.2f} us after the phase before" if "wake_us" in p else ""
+                print(f"  phase {p['phase']}: {p['blocks']:.0f} blocks on {p['sms']:.0f} SMs, tickets "
+                      f"{p['tickets_us'][0]:.2f}-{p['tickets_us'][1]:.2f}, resumed {p['resumed_us'][0]:.2f}-"
+                      f"{p['resumed_us'][1]:.2f}{wake}, ended by {p['ended_us']:.2f}; a block's work "
+                      f"{p['work_us']:.2f} us", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
