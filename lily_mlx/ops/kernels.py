@@ -153,6 +153,7 @@ def placeholder(dtype: mx.Dtype) -> mx.array:
 
 
 SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
+TRACE_FIELDS = 4  # a traced block's record: SM | phase << 16, ticket time, waited, ended (ns; sync_cuda.h)
 
 
 def sync_counters() -> mx.array:
@@ -163,9 +164,6 @@ def sync_counters() -> mx.array:
     which every replay reuses, hence every launch leaves its counters zero again. Under the experiment define
     LILY_CHAIN_TRACE=n the blocks' trace records follow the counters (bench/chain_trace.py)."""
     return mx.array(np.zeros(SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks(), dtype=np.int32))
-
-
-TRACE_FIELDS = 4  # a traced block's record: SM | phase << 16, start, waited, ended (ns; sync_cuda.h)
 
 
 def chain_trace_blocks() -> int:
