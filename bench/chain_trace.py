@@ -104,6 +104,8 @@ def trace(model, context: int, steps: int, vocab: int) -> dict[str, list[dict]]:
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
 
     ap = argparse.ArgumentParser(prog="python -m bench.chain_trace", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
-    report = {"model": args.model, "contexts": []}
+    report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
+              "defines": kernels.experiment_values(), "contexts": []}
     for ctx in args.context:
         kinds = {name: mean_of(ls) for name, ls in trace(model, ctx, args.steps, model.config.vocab_size).items()}
         report["contexts"].append({"context": ctx, "kernels": kinds})
