@@ -7,7 +7,8 @@ goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the bl
         python -m bench.chain_trace --model PATH --context 64 4096
 
 The steps run eagerly, not through the compiled decoder, so that every launch has counters of its own to read
-back; a block's timings inside its launch do not depend on that. Needs MLX's CUDA backend.
+back; a block's timings inside its launch do not depend on that (nor on bundled_weights, which only the compiled
+decoder applies: the same body reading its weights through other pointers). Needs MLX's CUDA backend.
 """
 
 from __future__ import annotations
