@@ -21,9 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-CHAINS = ("moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long")
-
-
 def phases(records: np.ndarray) -> dict:
     """records [blocks, 4] int32 of one launch (SM | phase << 16, ticket time, waited, ended; ns, the ticket time
     mod 2^32, the others after it) -> the launch's span and, per phase, its blocks and SMs, the first and last
@@ -77,7 +74,7 @@ def trace(model, context: int, steps: int, vocab: int) -> dict[str, list[dict]]:
 
     def spy(name, backend, inputs, template, grid, threadgroup, *args, **kwargs):
         out = real(name, backend, inputs, template, grid, threadgroup, *args, **kwargs)
-        if name in CHAINS:
+        if kernels.records_trace(name):
             launches.append((name, inputs[kernels.SPECS[name].input_names.index("sync")], grid[0] // threadgroup[0]))
         return out
 

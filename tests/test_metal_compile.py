@@ -118,44 +118,45 @@ def test_cuda_kernels_compile(tmp_path):
     compiles it: nvcc's host pass and second device pass took 6x as long. The specs with launch bounds go last, as
     each redefines __global__ for what follows. A kernel whose header lacks a helper another kernel's header brings
     would pass here: the Metal check above compiles each spec alone, through the same helper selection."""
+    names = sorted(SPEC_NAMES, key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
+    rc, log = _cuda_ptx(tmp_path, [kernels.full_source(kernels.SPECS[n], "cuda", i)[1] for n in names
+                                   for i in kernels.SPECS[n].instances()])
+    assert rc == 0, f"the CUDA sources do not compile:\n{log}"
+
+
+def _cuda_ptx(tmp_path: Path, sources: list[str]) -> tuple[int, str]:
+    """nvcc over the sources as one unit, device code only, against the stand-in for MLX's utils.cuh."""
     inc = tmp_path / "include" / "mlx" / "backend" / "cuda" / "device"
     inc.mkdir(parents=True)
     (inc / "utils.cuh").write_text(CUDA_UTILS_STANDIN)
-    names = sorted(SPEC_NAMES, key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
     unit = tmp_path / "kernels.cu"
-    unit.write_text("\n".join(kernels.full_source(kernels.SPECS[n], "cuda", i)[1] for n in names
-                              for i in kernels.SPECS[n].instances()))
+    unit.write_text("\n".join(sources))
     # 177: a variable declared and not used, as the shared entry prelude leaves in kernels that need few indices.
-    rc, log = run([NVCC, "-std=c++17", "-arch=sm_90a", f"-I{tmp_path / 'include'}", "-x", "cu", "-fdevice-syntax-only",
-                   "-diag-suppress", "177", "-ptx", str(unit), "-o", str(tmp_path / "kernels.ptx")])
-    assert rc == 0, f"the CUDA sources do not compile:\n{log}"
+    return run([NVCC, "-std=c++17", "-arch=sm_90a", f"-I{tmp_path / 'include'}", "-x", "cu", "-fdevice-syntax-only",
+                "-diag-suppress", "177", "-ptx", str(unit), "-o", str(tmp_path / "kernels.ptx")])
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
 def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
     """The chained kernels with bench/chain_trace.py's experiment define (LILY_CHAIN_TRACE) compile; their counters
     then have room for the records."""
-    inc = tmp_path / "include" / "mlx" / "backend" / "cuda" / "device"
-    inc.mkdir(parents=True)
-    (inc / "utils.cuh").write_text(CUDA_UTILS_STANDIN)
+    chains = [n for n, spec in kernels.SPECS.items()
+              if kernels.records_trace(n) and not (spec.packed_from or spec.bundled_from)]
+    assert {"moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long"} <= set(chains)
     monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CHAIN_TRACE=64")
     kernels.experiment_values.cache_clear()
     try:
         assert kernels.sync_counters().shape == (kernels.SYNC_SLOTS + kernels.TRACE_FIELDS * 64,)
-        names = sorted(("moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long"),
-                       key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
-        unit = tmp_path / "chains.cu"
-        unit.write_text("\n".join(kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1]
-                                  for n in names))
+        names = sorted(chains, key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
+        sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
     finally:
         monkeypatch.delenv(kernels.DEFINES_ENV)
         kernels.experiment_values.cache_clear()
-    assert "lily_trace_record(sync, vb, phase" in unit.read_text()
+    assert all("lily_trace_record(sync, vb, phase" in src for src in sources)
     header = (kernels.kernel_dir() / "sync_cuda.h").read_text()
     assert f"#define LILY_SYNC_SLOTS {kernels.SYNC_SLOTS} " in header
     assert f"#define LILY_TRACE_FIELDS {kernels.TRACE_FIELDS} " in header
-    rc, log = run([NVCC, "-std=c++17", "-arch=sm_90a", f"-I{tmp_path / 'include'}", "-x", "cu", "-fdevice-syntax-only",
-                   "-ptx", str(unit), "-o", str(tmp_path / "chains.ptx")])
+    rc, log = _cuda_ptx(tmp_path, sources)
     assert rc == 0, f"the traced chains do not compile:\n{log}"
 
 

@@ -166,6 +166,12 @@ def sync_counters() -> mx.array:
     return mx.array(np.zeros(SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks(), dtype=np.int32))
 
 
+@functools.lru_cache(maxsize=None)
+def records_trace(name: str) -> bool:
+    """Whether spec `name`'s body records its blocks under LILY_CHAIN_TRACE (sync_cuda.h's LILY_TRACE_END)."""
+    return "LILY_TRACE_END" in read_source(SPECS[name].body)
+
+
 def chain_trace_blocks() -> int:
     """How many blocks a chained launch records (experiment define LILY_CHAIN_TRACE; 0: none)."""
     value = experiment_values().get("LILY_CHAIN_TRACE", "0")
