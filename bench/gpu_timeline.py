@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
-    report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)}, "contexts": []}
+    report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
+              "lily_env": {k: v for k, v in os.environ.items() if k.startswith("LILY_")}, "contexts": []}
     for ctx in args.context:
         t = {"context": ctx, **timeline(trace_steps(model, ctx, args.steps, model.config.vocab_size), args.steps)}
         report["contexts"].append(t)

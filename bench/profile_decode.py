@@ -272,7 +272,10 @@ def main(argv=None) -> int:
     switches = {name: ops.enabled(name) for name in sorted(ops.KERNEL_NAMES)}
     # MLX's own knobs (MLX_USE_CUDA_GRAPHS, MLX_MAX_OPS_PER_BUFFER, ...) change the dispatch cost: record them.
     mlx_env = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
-    report = {"model": args.model, "mlx": mx.__version__, "mlx_env": mlx_env, "switches": switches, "steps": [], "ops": {}}
+    # Ours too: the switches' environment, experiment defines and launch shapes (LILY_MLX_KERNEL_DEFINES, LILY_MLX_PLAN).
+    lily_env = {k: v for k, v in os.environ.items() if k.startswith("LILY_")}
+    report = {"model": args.model, "mlx": mx.__version__, "mlx_env": mlx_env, "lily_env": lily_env, "switches": switches,
+              "steps": [], "ops": {}}
     print("off:", ", ".join(n for n, on in switches.items() if not on) or "none",
           f"; MLX environment {mlx_env}" if mlx_env else "", flush=True)
     for ctx in args.context:

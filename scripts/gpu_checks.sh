@@ -83,6 +83,13 @@ for sleep in 0 1024; do
 done
 step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline.json"
+# moe_gate_up's 288 blocks of 8 warps take two waves on 132 SMs (2 an SM at 89 registers), the second 9% full; in
+# 4-warp blocks 576 fit in one (5 an SM: scripts/cuda_registers.py --decode-step). moe_chain's block follows it.
+step 60 120 "decode step on the GPU's timeline, moe_gate_up in 4-warp blocks" env LILY_MLX_PLAN=moe_gate_up.WARPS=4 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_gate_up_w4.json"
+step 60 120 "every chain on the GPU's timeline, moe_chain in 4-warp blocks" env LILY_MLX_ENABLE="$chains" \
+  LILY_MLX_PLAN=moe_gate_up.WARPS=4 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
+  --json "$res/timeline_chains_w4.json"
 # Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
 # experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
 # stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).

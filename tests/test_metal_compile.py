@@ -182,6 +182,42 @@ def test_experiment_defines_reach_every_header(monkeypatch):
     assert kernels.experiment_defines() == ""
 
 
+def test_plan_overrides_reach_the_planners_they_name(monkeypatch):
+    """$LILY_MLX_PLAN sets a standalone kernel's rows a lane segment and warps a block where its planner chooses
+    them (moe_chain's block following moe_gate_up's); a chained phase's fixed block is kept; anything else is
+    refused with the variable named."""
+    from lily_mlx.ops import moe, moe_chain, qmv
+
+    shape = (1, 8, 2048, 512, 512, 4)  # the 35B-A3B experts: M, K, H, I, IS, bits
+    default = moe.plan_gate_up(*shape)
+    assert (default["RPS"], default["WARPS"], default["blocks"]) == (2, 8, 288)
+    assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 4
+    attn = qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn")
+    chained = qmv.plan(1, 2048, 9216, 4, warps=16)
+    try:
+        monkeypatch.setenv(kernels.PLAN_ENV, "moe_gate_up.WARPS=4, qmv.RPS=2, moe_down_combine.WARPS=8")
+        kernels.plan_overrides.cache_clear()
+        p = moe.plan_gate_up(*shape)
+        assert (p["RPS"], p["WARPS"], p["blocks"]) == (2, 4, 576)
+        assert moe.plan_gate_up(*shape, rps=1, warps=8)["WARPS"] == 8  # given: kept
+        chain = moe_chain.plan(*shape[:5], 257, 4, 8)
+        assert chain["WARPS"] == 4 and chain["down"]["WARPS"] == 4  # the chain's down phase keeps the chain's block
+        assert moe.plan_down(*shape)["WARPS"] == 8
+        assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 2 and qmv.plan(1, 2048, 9216, 4)["blocks"] == min(576, qmv.MAX_BLOCKS)
+        assert qmv.plan(1, 2048, 9216, 4, warps=16) == chained  # a chained phase's plan: its own
+        assert qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn") == attn  # not named: its own
+        for bad in ("moe_gate_up.WARPS", "moe_gate_up.LANES=4", "attn_chain.WARPS=4", "qmv.RPS=3", "qmv.WARPS=64",
+                    "qmv.RPS=0", "WARPS=4"):
+            monkeypatch.setenv(kernels.PLAN_ENV, bad)
+            kernels.plan_overrides.cache_clear()
+            with pytest.raises(ValueError, match=kernels.PLAN_ENV):
+                moe.plan_gate_up(*shape)
+    finally:
+        monkeypatch.delenv(kernels.PLAN_ENV)
+        kernels.plan_overrides.cache_clear()
+    assert moe.plan_gate_up(*shape) == default
+
+
 # ---- emulated Metal run -------------------------------------------------------------------------
 
 # (M, K, N, bits, group, x dtype, fusion): LANES 32/16/8/4, several K tiles (M=8), partial last
@@ -342,17 +378,54 @@ def test_kernel_source_dir_falls_back_to_inline(monkeypatch, tmp_path):
     assert kernels.source_dir() == (tmp_path / "k").resolve()
 
 
-def test_register_check_knows_every_kernels_block():
-    """scripts/cuda_registers.py (launchability through ptxas) knows the block each kernel is launched with."""
+def _register_tool():
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "cuda_registers.py"
     spec_ = importlib.util.spec_from_file_location("cuda_registers", path)
     tool = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(tool)
+    return tool
+
+
+def test_register_check_knows_every_kernels_block():
+    """scripts/cuda_registers.py (launchability through ptxas) knows the block each kernel is launched with."""
+    tool = _register_tool()
     for name in SPEC_NAMES:
         spec = kernels.SPECS[name]
         for inst in spec.instances()[:3]:
             threads = tool.block_threads(spec, dict(inst.template))
             assert 32 <= threads <= 1024 and threads % 32 == 0, (name, threads)
             assert not spec.cuda_launch_bounds or threads <= spec.cuda_launch_bounds[0], (name, threads)
+
+
+def test_occupancy_follows_the_sm90_limits():
+    """scripts/cuda_registers.py --decode-step: blocks an SM holds by registers (a warp's in units of 256), shared
+    memory (1 KB more a block), threads and the 32-block cap, as CUDA's occupancy calculator counts them; waves."""
+    tool = _register_tool()
+    assert tool.blocks_per_sm(89, 256, 8464) == (2, "registers")  # 96 a lane: 21 warps an SM, two 8-warp blocks
+    assert tool.blocks_per_sm(89, 128, 8464) == (5, "registers")
+    assert tool.blocks_per_sm(80, 256, 8464) == (3, "registers")
+    assert tool.blocks_per_sm(64, 512, 2048) == (2, "registers")
+    assert tool.blocks_per_sm(32, 256, 100 * 1024) == (2, "shared memory")
+    assert tool.blocks_per_sm(16, 1024, 0) == (2, "threads")
+    assert tool.blocks_per_sm(16, 32, 0) == (32, "blocks")
+    assert tool.waves(288, 2, 132) == (2, 24 / 264)
+    assert tool.waves(528, 2, 132) == (2, 1.0)
+
+
+def test_decode_step_launches_are_traced_with_their_grids():
+    """--decode-step's trace (narrow widths here): every kernel of a default decode step, in order, each with the
+    blocks and threads its dispatcher launches and a complete CUDA source; the chained step launches the chains."""
+    tool = _register_tool()
+    from bench.step_dispatch import NARROW
+
+    launched = tool.decode_step_launches((), 64, NARROW)
+    names = [n for n, *_ in launched]
+    assert {"qmv", "deltanet_step", "moe_gate_up", "moe_down_combine", "attn_decode"} <= set(names)
+    assert names.count("moe_gate_up") == 4 and names.count("deltanet_step") == 3
+    for name, blocks, threads, smem, source in launched:
+        assert blocks >= 1 and threads % 32 == 0 and 32 <= threads <= 1024 and smem >= 0, name
+        assert f"void custom_kernel_{name}" in source, name
+    chained = [n for n, *_ in tool.decode_step_launches(("moe_chain", "deltanet_chain_out", "attn_chain"), 64, NARROW)]
+    assert chained.count("moe_chain") == 4 and chained.count("deltanet_chain_out") == 3 and "attn_chain" in chained

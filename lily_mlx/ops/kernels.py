@@ -533,6 +533,30 @@ def experiment_values() -> dict[str, str]:
     return values
 
 
+PLAN_ENV = "LILY_MLX_PLAN"
+PLANNED = {"qmv": ("RPS", "WARPS"), "qmv_attn": ("RPS", "WARPS"), "moe_gate_up": ("RPS", "WARPS"), "moe_down_combine": ("RPS", "WARPS")}
+PLAN_LIMITS = {"RPS": 8, "WARPS": 32}
+
+
+@functools.lru_cache(maxsize=None)
+def plan_overrides() -> dict[str, dict[str, int]]:
+    """$LILY_MLX_PLAN ("kernel.PARAM=N,...") as {kernel: {PARAM: N}}: a launch shape an experiment sets where a
+    planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
+    shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs."""
+    text = os.environ.get(PLAN_ENV, "").strip()
+    plans: dict[str, dict[str, int]] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = item.partition("=")
+        kernel, dot, param = key.partition(".")
+        if not eq or not dot or kernel not in PLANNED or param not in PLANNED[kernel]:
+            raise ValueError(f"{PLAN_ENV}: {item!r} is not kernel.PARAM=N with kernel.PARAM one of "
+                             + ", ".join(f"{k}.{p}" for k, ps in PLANNED.items() for p in ps))
+        if not value.isdigit() or not 1 <= int(value) <= PLAN_LIMITS[param] or int(value) & (int(value) - 1):
+            raise ValueError(f"{PLAN_ENV}: {item!r}: {param} must be a power of two from 1 to {PLAN_LIMITS[param]}")
+        plans.setdefault(kernel, {})[param] = int(value)
+    return plans
+
+
 def experiment_defines() -> str:
     """experiment_values() as the #define lines put before every kernel's header."""
     return "".join(f"#define {n} {v}\n" for n, v in experiment_values().items())

@@ -51,9 +51,16 @@ def _shrink(blocks, rps: int, warps: int, min_warps: int = 4) -> tuple[int, int]
     return rps, warps
 
 
+def _overridden(kernel: str, rps: int, warps: int) -> tuple[int, int]:
+    """(rps, warps), or $LILY_MLX_PLAN's for `kernel` where it sets them (kernels.plan_overrides)."""
+    chosen = kernels.plan_overrides().get(kernel, {})
+    return chosen.get("RPS", rps), chosen.get("WARPS", warps)
+
+
 def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[int] = None,
                  warps: Optional[int] = None) -> dict:
-    """Launch shape; `rps` and `warps` given (tests) are taken as they are."""
+    """Launch shape; `rps` and `warps` given (tests) are taken as they are; else $LILY_MLX_PLAN's where it sets
+    them (moe_chain's blocks follow this plan too)."""
     chunks = H * bits // 128
     lanes = _lanes(chunks)
     cpl, sub = chunks // lanes, 32 // lanes
@@ -64,7 +71,8 @@ def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Option
 
     if rps is None or warps is None:  # <= 8 chunks of gate + up in flight per lane
         # Sized for M's bucket, so all token counts of a bucket share one build (the grid follows M itself).
-        rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 4 // cpl)), 8)
+        rps, warps = _overridden("moe_gate_up", *_shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)),
+                                                         max(1, min(4, 4 // cpl)), 8))
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps)}
 
 
@@ -84,6 +92,8 @@ def plan_down(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Optional[
         fixed = warps if rps is None else None
         rps, warps = _shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)), max(1, min(4, 16 // per_row)),
                              fixed or 8, fixed or 4)
+        if fixed is None:  # moe_chain's phase keeps the chain's block
+            rps, warps = _overridden("moe_down_combine", rps, warps)
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps), "inflight": per_row * rps}
 
 

@@ -37,10 +37,12 @@ MODEL_SHAPES = (
 )
 
 
-def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps: Optional[int] = None) -> dict:
+def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps: Optional[int] = None,
+         kernel: str = "qmv") -> dict:
     """Launch shape: LANES lanes per row (a power of two dividing the row's 16-byte chunks, small
     enough that x's tile fits), RPS rows per lane segment, WARPS per block (`warps` given: kept, as a
-    chained kernel's blocks are all one size), and the block count."""
+    chained kernel's blocks are all one size; else $LILY_MLX_PLAN's for `kernel` where it sets them), and the
+    block count."""
     cpc = 128 // bits
     chunks = K // cpc
     lanes = 32
@@ -55,6 +57,9 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps:
         rps //= 2
     while not fixed and warps > 4 and -(-N // (warps * sub * rps)) < min_blocks:  # below 4 warps x staging drags
         warps //= 2
+    if not fixed:
+        chosen = kernels.plan_overrides().get(kernel, {})
+        rps, warps = chosen.get("RPS", rps), chosen.get("WARPS", warps)
     row_blocks = -(-N // (warps * sub * rps))
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
 
@@ -190,7 +195,7 @@ def attn_instance(dtype, scale_dtype, M: int, Hq: int, Hkv: int, D: int, N: int,
                   nsplit: int = 2) -> kernels.Instance:
     """qmv_attn: o_proj (+ residual) of a split decode attention's partials (kernels/qmv.inc, LILY_QMV_ATTN)."""
     K = Hq * D
-    p = plan(M, K, N, bits, ATTN_MIN_BLOCKS)
+    p = plan(M, K, N, bits, ATTN_MIN_BLOCKS, kernel="qmv_attn")
     template = (("T", dtype), ("TN", dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
                 ("LANES", p["LANES"]), ("RPS", p["RPS"]), ("WARPS", p["WARPS"]), ("NORM", False), ("RES", True),
                 ("EPS_BITS", 0), ("HQ", Hq), ("HKV", Hkv), ("D", D))
@@ -219,7 +224,7 @@ def qmv_attn(part_acc, part_ml, proj, w, scales, biases, residual, *, n_kv_heads
         if unsupported(kernels.Shaped((*proj.shape[:2], K), proj.dtype), w, scales, biases, group_size, bits, None,
                        residual) is None:
             M, N = kernels.row_bucket(R), w.shape[0]
-            p = plan(M, K, N, bits, ATTN_MIN_BLOCKS)
+            p = plan(M, K, N, bits, ATTN_MIN_BLOCKS, kernel="qmv_attn")
             inst = attn_instance(proj.dtype, scales.dtype, M, Hq, n_kv_heads, D, N, bits, group_size)
             launch = (list(inst.template), (p["blocks"] * 32 * p["WARPS"], 1, 1), (32 * p["WARPS"], 1, 1), N)
         _LAUNCH[key] = launch
