@@ -87,6 +87,20 @@ step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --
 # 4-warp blocks 576 fit in one (5 an SM: scripts/cuda_registers.py --decode-step). moe_chain's block follows it.
 step 60 120 "decode step on the GPU's timeline, moe_gate_up in 4-warp blocks" env LILY_MLX_PLAN=moe_gate_up.WARPS=4 \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_gate_up_w4.json"
+# Why attn_decode takes ~20 us a layer at context 64 for a few positions a block (34-66 blocks), and where
+# moe_gate_up, moe_down_combine and deltanet_step (32 blocks: 12% of the SMs) stall: ncu's warp states, occupancy
+# and memory sections, one decode step's 12 launches of them (4 layers), clocks and caches as they run.
+step 60 120 "ncu stall reasons of attn_decode, moe_gate_up, moe_down_combine, deltanet_step (context 64)" bash -c \
+  "ncu --profile-from-start off --cache-control none --clock-control none -c 12 \
+-k 'regex:attn_decode|moe_gate_up|moe_down_combine|deltanet_step' --section SpeedOfLight --section Occupancy \
+--section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+python3 kernels/scratch/prefill_ncu.py --model $model --tokens 64 --layers 4 --decode-steps 2 \
+> $res/ncu_stalls_64.txt 2>&1; grep -E 'custom_kernel|Duration|Achieved Occupancy|Waves Per SM|Registers Per|Stall|Memory Throughput' \
+$res/ncu_stalls_64.txt | head -150"
+# The default step is bound by MLX's dispatch (run 38), which hashes each launch's whole source (~2.5 MB a step,
+# ~0.3 us a KB); cuda_source_files hashes 0.2 MB, yet measured 0.3-0.4 ms slower in runs 3 and 24 (H200, unexplained).
+step 60 110 "decode step, cuda_source_files on vs off (defaults)" python3 -m bench.profile_decode --model "$model" \
+  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
 step 60 120 "every chain on the GPU's timeline, moe_chain in 4-warp blocks" env LILY_MLX_ENABLE="$chains" \
   LILY_MLX_PLAN=moe_gate_up.WARPS=4 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline_chains_w4.json"
