@@ -23,27 +23,29 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 12) -> dict:
-    """kernels: (name, start us, duration us) of `steps` steps' launches -> per-step busy and idle time (us), the
-    largest idle gaps, and the kernels by total time. Overlapping kernels count once toward busy."""
+def timeline(kernels: list[tuple], steps: int, top: int = 12) -> dict:
+    """kernels: (name, start us, duration us[, launch shape]) of `steps` steps' launches -> per-step busy and idle
+    time (us), the largest idle gaps, the kernels by total time, and by launch (name and shape: one qmv's rows are
+    not another's). Overlapping kernels count once toward busy."""
     if not kernels:
         raise ValueError("no kernel records: CUPTI saw none of MLX's launches (is MLX on the CUDA backend?)")
     if steps < 1:
         raise ValueError(f"steps must be positive, got {steps}")
     kernels = sorted(kernels, key=lambda k: k[1])
     start = kernels[0][1]
-    end = max(s + d for _, s, d in kernels)
+    end = max(k[1] + k[2] for k in kernels)
     busy, gaps, cover = 0.0, [], start
-    for _, s, d in kernels:
+    for _, s, d, *_ in kernels:
         if s > cover:
             gaps.append(s - cover)
         busy += max(0.0, s + d - max(s, cover))
         cover = max(cover, s + d)
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for name, _, d in kernels:
-        b = by_name[short_name(name)]
-        b[0] += 1
-        b[1] += d
+    by_launch: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for name, _, d, *shape in kernels:
+        for group, key in ((by_name, short_name(name)), (by_launch, " ".join([short_name(name), *shape]))):
+            group[key][0] += 1
+            group[key][1] += d
     gaps.sort(reverse=True)
     window = end - start
     return {
@@ -54,7 +56,25 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 12)
         "idle_in_gaps_over_5us": sum(g for g in gaps if g > 5) / steps,
         "largest_gaps_us": gaps[:top],
         "by_kernel": sorted(([n, c / steps, t / steps] for n, (c, t) in by_name.items()), key=lambda r: -r[2])[:top],
+        "by_launch": sorted(([n, c / steps, t / steps, t / c] for n, (c, t) in by_launch.items()),
+                            key=lambda r: -r[2])[:2 * top],
     }
+
+
+def launch_shape(args: dict) -> list[str]:
+    """A kernel record's launch as torch.profiler reports it: [blocks x threads, registers] (empty without them)."""
+    def size(v) -> int:  # [x, y, z], or the same as text
+        n = 1
+        for d in re.findall(r"\d+", str(v)):
+            n *= int(d)
+        return n
+
+    grid, block = args.get("grid"), args.get("block")
+    if not grid or not block:
+        return []
+    shape = f"[{size(grid)} x {size(block)}"
+    regs = args.get("registers per thread")
+    return [shape + (f", {regs} regs]" if regs is not None else "]")]
 
 
 def short_name(name: str) -> str:
@@ -95,7 +115,7 @@ def trace_steps(model, context: int, steps: int, vocab: int) -> list[tuple[str, 
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), *launch_shape(e.get("args", {}))) for e in events
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
@@ -122,6 +142,9 @@ def main(argv=None) -> int:
         print("  largest gaps (us): " + ", ".join(f"{g:.0f}" for g in t["largest_gaps_us"]))
         for name, calls, us in t["by_kernel"]:
             print(f"  {name:60} {calls:6.1f} calls {us:8.1f} us a step")
+        print("  by launch (blocks x threads, registers as built):")
+        for name, calls, us, per_call in t["by_launch"]:
+            print(f"  {name:60} {calls:6.1f} calls {us:8.1f} us a step {per_call:7.1f} us a call")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

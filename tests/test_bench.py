@@ -383,17 +383,21 @@ def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
 def test_gpu_timeline_splits_busy_and_idle_time():
     """bench.gpu_timeline's accounting: overlapping kernels count once, gaps are the idle rest, per step."""
     tl = importlib.import_module(bench.__name__ + ".gpu_timeline")
-    kernels = [  # (name, start us, duration us) over 2 steps: a 10 us gap, an overlap of 2 us, a 3 us gap
+    kernels = [  # (name, start us, duration us[, shape]) over 2 steps: a 10 us gap, an overlap of 2 us, a 3 us gap
         ("void mlx::copy_v<float>(float*)", 0.0, 10.0),
         ("custom_kernel_moe_chain_pb_bfloat16_abc(int)", 20.0, 8.0),
-        ("custom_kernel_qmv_bfloat16_x(int)", 26.0, 4.0),
-        ("custom_kernel_qmv_bfloat16_y(int)", 33.0, 7.0),
+        ("custom_kernel_qmv_bfloat16_x(int)", 26.0, 4.0, *tl.launch_shape({"grid": [386, 1, 1], "block": [256, 1, 1],
+                                                                         "registers per thread": 120})),
+        ("custom_kernel_qmv_bfloat16_y(int)", 33.0, 7.0, *tl.launch_shape({"grid": "[65, 1, 1]", "block": [128, 1, 1]})),
     ]
     t = tl.timeline(list(reversed(kernels)), steps=2)
     assert t["window_us"] == 20.0 and t["busy_us"] == 13.5 and t["idle_us"] == 6.5
     assert t["largest_gaps_us"] == [10.0, 3.0] and t["gaps_over_5us"] == 0.5 and t["idle_in_gaps_over_5us"] == 5.0
     assert t["by_kernel"][0] == ["qmv", 1.0, 5.5] and ["moe_chain_pb", 0.5, 4.0] in t["by_kernel"]
     assert "mlx::copy_v<float>" in t["by_kernel"][1][0]
+    assert t["by_launch"][1:] == [["moe_chain_pb", 0.5, 4.0, 8.0], ["qmv [65 x 128]", 0.5, 3.5, 7.0],
+                                  ["qmv [386 x 256, 120 regs]", 0.5, 2.0, 4.0]]
+    assert tl.launch_shape({}) == []
     with pytest.raises(ValueError, match="no kernel records"):
         tl.timeline([], steps=2)
 
