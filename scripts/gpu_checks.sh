@@ -65,6 +65,11 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
+# kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
+# one cache folder (the second finds MLX's own kernels, and with it on ours, built).
+step 60 300 "cold start: a process's kernel builds with kernel_cache off and on" python3 -m bench.cold_start \
+  --model "$model" --json "$res/cold_start.json"
 # Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
 # defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights

@@ -3,6 +3,8 @@
 import importlib
 import importlib.util
 import json
+import subprocess
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -400,6 +402,35 @@ def test_gpu_timeline_splits_busy_and_idle_time():
     assert tl.launch_shape({}) == []
     with pytest.raises(ValueError, match="no kernel records"):
         tl.timeline([], steps=2)
+
+
+def test_cold_start_runs_each_arm_twice_on_one_fresh_cache(tmp_path, monkeypatch):
+    """bench.cold_start: per arm two processes on one MLX cache folder of their own, kernel_cache on only in the
+    `on` arm (the caller's other switches kept), each timed with the builds left on disk."""
+    cs = importlib.import_module(bench.__name__ + ".cold_start")
+    seen = []
+
+    def fake_run(cmd, env=None, **kw):
+        if cmd[0] == "git":
+            return subprocess.CompletedProcess(cmd, 0, "abc123\n", "")
+        folder = Path(env["MLX_PTX_CACHE_DIR"])
+        seen.append((folder, env["LILY_MLX_ENABLE"], cmd[cmd.index("--model") + 1]))
+        (folder / f"k{len(seen)}.ptx").write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setenv("LILY_MLX_ENABLE", "moe_chain,kernel_cache")
+    monkeypatch.setattr(cs.subprocess, "run", fake_run)
+    assert cs.main(["--model", "M", "--json", str(tmp_path / "r.json")]) == 0
+    assert [e for _, e, _ in seen] == ["moe_chain", "moe_chain", "moe_chain,kernel_cache", "moe_chain,kernel_cache"]
+    assert seen[0][0] == seen[1][0] != seen[2][0] == seen[3][0] and {m for *_, m in seen} == {"M"}
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = report["rows"]
+    assert report["commit"] == "abc123" and [(r["kernel_cache"], r["process"], r["builds_on_disk"]) for r in rows] == [
+        ("off", "empty cache", 1), ("off", "filled by the first", 2), ("on", "empty cache", 1),
+        ("on", "filled by the first", 2)]
+    monkeypatch.setattr(cs.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom"))
+    with pytest.raises(SystemExit, match="off arm failed:\nboom"):
+        cs.main(["--model", "M"])
 
 
 @pytest.mark.skipif(mx.cuda.is_available(), reason="the refusal is for machines without a CUDA device")

@@ -615,16 +615,22 @@ def included(spec: KernelSpec, src: str, hdr: str, folder: Path) -> tuple[str, s
 
 
 @functools.lru_cache(maxsize=None)
+def texts(name: str, backend: str, via_files: bool = False) -> tuple[str, str]:
+    """(body, header) a registered spec's MLX kernel object is made from (CUDA: optionally #include stubs)."""
+    spec = SPECS[name]
+    src = body(spec, backend)
+    hdr = spec_header(spec, backend, src)
+    folder = source_dir() if via_files and backend == "cuda" else None
+    return included(spec, src, hdr, folder) if folder is not None else (src, hdr)
+
+
+@functools.lru_cache(maxsize=None)
 def build(name: str, backend: str, via_files: bool = False, shared_memory: int = 0):
     """The compiled-on-first-use MLX kernel object for a registered spec on a backend (CUDA: optionally
     with its source in #included files, and `shared_memory` bytes of dynamic shared memory a launch)."""
     spec = SPECS[name]
-    src = body(spec, backend)
-    hdr = spec_header(spec, backend, src)
+    src, hdr = texts(name, backend, via_files)
     if backend == "cuda":
-        folder = source_dir() if via_files else None
-        if folder is not None:
-            src, hdr = included(spec, src, hdr, folder)
         return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
                                    output_names=list(spec.output_names), source=src, header=hdr,
                                    shared_memory=shared_memory)
@@ -682,6 +688,23 @@ def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_
     from . import enabled
 
     kwargs = {} if init_value is None else {"init_value": init_value}
-    return build(name, backend, backend == "cuda" and enabled("cuda_source_files"), shared_memory)(
+    via_files = backend == "cuda" and enabled("cuda_source_files")
+    if backend == "cuda" and enabled("kernel_cache"):
+        cached_build(name, via_files, inputs, template, output_dtypes)
+    return build(name, backend, via_files, shared_memory)(
         inputs=inputs, template=template, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
         output_dtypes=output_dtypes, **kwargs)
+
+
+def cached_build(name: str, via_files: bool, inputs, template, output_dtypes) -> None:
+    """kernel_cache.ensure for this launch's instance: the full source MLX's cuda_kernel will generate from it."""
+    from . import kernel_cache
+
+    key = (name, via_files, tuple(template), tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes))
+    if key in kernel_cache._seen:
+        return
+    spec = SPECS[name]
+    src, hdr = texts(name, "cuda", via_files)
+    kname, source = metal_source.cuda_source(name, spec.input_names, spec.output_names, src, hdr,
+                                             [(a.dtype, tuple(a.shape)) for a in inputs], output_dtypes, template)
+    kernel_cache.ensure(key, kname, source)
