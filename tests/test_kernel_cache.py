@@ -135,6 +135,34 @@ def test_a_failed_build_is_left_to_mlx(fresh_cache, monkeypatch):
     assert kernel_cache.stats["failed"] == 3 and not any(fresh_cache.iterdir())
 
 
+def _nvrtc():
+    try:
+        return kernel_cache.Nvrtc()
+    except OSError as e:
+        pytest.skip(f"{e}: pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85")
+
+
+def test_nvrtc_builds_the_chains_with_the_standin_header(tmp_path):
+    """kernel_cache's NVRTC build of real kernel sources (a qmv, the three chains bundled), no GPU needed: a cubin
+    for sm_90a and the kernel's lowered name, with MLX's options and the stand-in for MLX's utils.cuh over a config.h
+    like the CUDA wheel's (MAX_NDIM 10: the layout of Shape and Strides kernel parameters)."""
+    nvrtc = _nvrtc()
+    device = tmp_path / "mlx" / "backend" / "cuda" / "device"
+    device.mkdir(parents=True)
+    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+    cuda = Path(nvrtc.lib._name).resolve().parent.parent / "include"
+    options = ["--device-as-default-execution-space", "--gpu-architecture=sm_90a", f"--include-path={tmp_path}",
+               f"--include-path={cuda / 'cccl'}", f"--include-path={cuda}"]
+    for name in ("qmv", "moe_chain_pb", "deltanet_chain_out_pb", "attn_chain_pb"):
+        spec = kernels.SPECS[name]
+        kname, source = kernels.full_source(spec, "cuda", spec.instances()[-1])
+        binary, lowered = nvrtc.compile(source, name + ".cu", "mlx::core::cu::" + kname, options,
+                                        {kernel_cache.UTILS_NAME: kernel_cache.UTILS_STANDIN})
+        assert binary[:4] == b"\x7fELF" and lowered.startswith("_ZN3mlx4core2cu") and kname in lowered, name
+    with pytest.raises(RuntimeError, match="(?s)nvrtcCompileProgram: NVRTC_ERROR_COMPILATION.*undefined_thing"):
+        nvrtc.compile("__global__ void k() { undefined_thing(); }", "bad.cu", "k", options, {})
+
+
 GPU_SCRIPT = textwrap.dedent('''
     import sys, numpy as np, mlx.core as mx
     from lily_mlx import ops

@@ -117,15 +117,26 @@ class Nvrtc:
 
     @classmethod
     def _load(cls) -> ctypes.CDLL:
+        """The loaded (MLX's) or a findable libnvrtc; else the one in the nvidia wheels beside MLX's package, its
+        builtins library loaded first (NVRTC opens it by name at its first compile)."""
         site = Path(mx.__file__).resolve().parent.parent
-        candidates = [*cls.NAMES, *(str(p) for d in ("cu13", "cuda_nvrtc") for p in (site / "nvidia" / d / "lib")
-                                    .glob("libnvrtc.so*"))]
-        for name in candidates:
+        wheels = [d / "lib" for d in (site / "nvidia" / "cu13", site / "nvidia" / "cuda_nvrtc")]
+        tried = list(cls.NAMES)
+        for name in cls.NAMES:
             try:
                 return ctypes.CDLL(name)
             except OSError:
                 continue
-        raise OSError(f"no NVRTC library found (tried {', '.join(candidates)})")
+        for lib in wheels:
+            for path in sorted(lib.glob("libnvrtc.so.*")):
+                tried.append(str(path))
+                try:
+                    for builtins in sorted(lib.glob("libnvrtc-builtins.so.*")):
+                        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+                    return ctypes.CDLL(str(path))
+                except OSError:
+                    continue
+        raise OSError(f"no NVRTC library found (tried {', '.join(tried)})")
 
     def _check(self, code: int, what: str, log: str = "") -> None:
         if code:

@@ -534,7 +534,7 @@ def experiment_values() -> dict[str, str]:
 
 
 PLAN_ENV = "LILY_MLX_PLAN"
-PLANNED = {"qmv": ("RPS", "WARPS"), "qmv_attn": ("RPS", "WARPS"), "moe_gate_up": ("RPS", "WARPS"), "moe_down_combine": ("RPS", "WARPS")}
+PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
 PLAN_LIMITS = {"RPS": 8, "WARPS": 32}
 
 
