@@ -36,8 +36,20 @@ save_ptx_cache() {  # the compiled kernels without their sources, for the next m
 }
 left() { echo $((budget - ($(date +%s) - start))); }
 step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
-  local need=$1 cap=$2 name=$3 limit
+  local need=$1 cap=$2 name=$3 limit i found=
   shift 3
+  if [ -n "${KC:-}" ]; then  # kernel_cache on in the command's switches (an `env LILY_MLX_ENABLE=...` of its own too)
+    local args=("$@")
+    if [ "${args[0]}" = env ]; then
+      for i in "${!args[@]}"; do
+        case "${args[$i]}" in LILY_MLX_ENABLE=*) args[$i]="${args[$i]},kernel_cache"; found=1 ;; esac
+      done
+      [ -n "$found" ] || args=(env "LILY_MLX_ENABLE=kernel_cache${LILY_MLX_ENABLE:+,$LILY_MLX_ENABLE}" "${args[@]:1}")
+    else
+      args=(env "LILY_MLX_ENABLE=kernel_cache${LILY_MLX_ENABLE:+,$LILY_MLX_ENABLE}" "${args[@]}")
+    fi
+    set -- "${args[@]}"
+  fi
   if [ -n "${SKIP:-}" ] && [[ "$name" =~ $SKIP ]]; then echo "== $name: skipped (SKIP)"; return; fi
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
   limit=$(left)
@@ -65,6 +77,24 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
+# kernel_cache (each kernel built once a machine, not once a process) for every later step: KERNEL_CACHE=1 always,
+# 0 never, auto (default) once its two cuda tests passed in the tests step above.
+KC=
+case "${KERNEL_CACHE:-auto}" in
+  1) KC=1 ;;
+  auto) python3 - "$res/tests.xml" <<'PY' && KC=1
+import sys, xml.etree.ElementTree as ET
+try:
+    cases = {c.get("name"): c for c in ET.parse(sys.argv[1]).iter("testcase")}
+except (OSError, ET.ParseError):
+    sys.exit(1)
+need = ("test_mlx_loads_the_build_stored_under_its_name_cuda", "test_cached_kernel_equals_mlx_build_cuda")
+bad = ("failure", "error", "skipped")
+sys.exit(0 if all(n in cases and not any(c.tag in bad for c in cases[n]) for n in need) else 1)
+PY
+  ;;
+esac
+echo "kernel_cache in the later steps: ${KC:-off}"
 # MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
 # kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
 # one cache folder (the second finds MLX's own kernels, and with it on ours, built).
