@@ -95,11 +95,6 @@ PY
   ;;
 esac
 echo "kernel_cache in the later steps: ${KC:-off}"
-# MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
-# kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
-# one cache folder (the second finds MLX's own kernels, and with it on ours, built).
-step 60 300 "cold start: a process's kernel builds with kernel_cache off and on" python3 -m bench.cold_start \
-  --model "$model" --json "$res/cold_start.json"
 # Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
 # defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
@@ -139,6 +134,11 @@ step 60 110 "decode step, cuda_source_files on vs off (defaults)" python3 -m ben
 step 60 120 "every chain on the GPU's timeline, moe_chain in 4-warp blocks" env LILY_MLX_ENABLE="$chains" \
   LILY_MLX_PLAN=moe_gate_up.WARPS=4 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline_chains_w4.json"
+# MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
+# kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
+# one cache folder (the second finds MLX's own kernels, and with it on ours, built).
+step 60 300 "cold start: a process's kernel builds with kernel_cache off and on" python3 -m bench.cold_start \
+  --model "$model" --json "$res/cold_start.json"
 # Correctness before speed: issue 5's perplexity parity on the GPU path (moe_gemm takes the embedded model's 4-bit
 # experts at 512 tokens x 8), stock mlx-lm vs lily_mlx on the last 400 docstrings of the bundled corpus, bf16 (as
 # stored) and float32. A cold machine needed over 100 s for the bf16 one (run 27).
