@@ -8,9 +8,10 @@
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
 # TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
-# MLX keeps what NVRTC compiled in MLX_PTX_CACHE_DIR; a fresh machine compiles every kernel again (the chains at the
-# 35B shapes took past a 110 s step in run 34). The cache comes back as $OUT/ptx.tar.xz (at most 15 MB): copied to
-# .ptx-cache/ here and carried (carry [".device", ".ptx-cache"]), the next machine starts with it.
+# MLX keeps what NVRTC compiled of its own kernels in MLX_PTX_CACHE_DIR, and reads ours there but never writes them
+# (ops/kernel_cache.py writes them when `kernel_cache` is on). The cache comes back as $OUT/ptx.tar.xz (at most
+# 15 MB): copied to .ptx-cache/ here and carried (carry [".device", ".ptx-cache"]), the next machine starts with it,
+# and with .ptx-cache/lily-kernels.tar.xz (scripts/prebuild_kernels.py) where it exists.
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
 set -uo pipefail
@@ -28,6 +29,9 @@ export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
 mkdir -p "$MLX_PTX_CACHE_DIR"
 [ -f .ptx-cache/ptx.tar.xz ] && tar -C "$MLX_PTX_CACHE_DIR" -xJf .ptx-cache/ptx.tar.xz && \
   echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -name '*.ptx' | wc -l) kernels from .ptx-cache/"
+# The decode step's kernels built on a machine without a GPU (scripts/prebuild_kernels.py): MLX reads them by name.
+[ -f .ptx-cache/lily-kernels.tar.xz ] && tar -C "$MLX_PTX_CACHE_DIR" -xJf .ptx-cache/lily-kernels.tar.xz && \
+  echo "ptx cache: $(tar -tJf .ptx-cache/lily-kernels.tar.xz | grep -c '\.ptx$') lily kernels prebuilt"
 save_ptx_cache() {  # the compiled kernels without their sources, for the next machine
   [ -n "${OUT:-}" ] || return 0
   tar -C "$MLX_PTX_CACHE_DIR" --exclude='*.cu' -cf - . | xz -T4 -6 > /tmp/ptx.tar.xz

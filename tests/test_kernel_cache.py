@@ -57,6 +57,10 @@ def test_cache_folder_and_file_names_follow_mlx(monkeypatch, tmp_path):
     assert kernel_cache.ptx_path(tmp_path, "k" * 245) == tmp_path / ("k" * 245 + ".ptx")
     long = "".join(chr(97 + i % 26) for i in range(600))
     assert kernel_cache.ptx_path(tmp_path, long) == tmp_path / long[:245] / long[245:490] / (long[490:] + ".ptx")
+    for name in (long, long[:245]):  # the longest file names MLX makes can be stored
+        path = kernel_cache.ptx_path(tmp_path, name)
+        kernel_cache.store(path, "k", "_Zk", b"cubin")
+        assert path.read_bytes() == b"cubin" and path.with_suffix(".txt").read_text() == "k\t_Zk\n"
     assert kernel_cache.module_name("custom_kernel_qmv_t_3", "abc") == \
         f"custom_kernel_qmv_t_3_{kernel_cache.std_hash(b'abc'):x}"
 

@@ -91,7 +91,8 @@ def ptx_path(cache: Path, name: str) -> Path:
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # A short temporary name: MLX's names already come up to MAX_FILE_NAME + 4 of the 255 a file name may have.
+    tmp = path.with_name(f".lily-{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 

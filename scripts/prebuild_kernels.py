@@ -1,0 +1,121 @@
+"""Builds the 35B-A3B decode step's CUDA kernels on a machine without a GPU, into the folder MLX reads custom kernels
+from before it builds them (ops/kernel_cache.py), packed for a device machine to start with: gpu_checks.sh unpacks
+`.ptx-cache/lily-kernels.tar.xz` into MLX_PTX_CACHE_DIR, so a fresh device spends no NVRTC time on these.
+
+    python scripts/prebuild_kernels.py [--out .ptx-cache/lily-kernels.tar.xz] [--jobs 2] [--arch 90]
+
+Needs NVRTC from the nvidia wheels (pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96
+nvidia-cuda-cccl==13.0.85). Each configuration gpu_checks.sh times (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES,
+context) is traced in a process of its own, as the plans and defines are read once a process; the kernel sources are
+the ones MLX generates there (module names hash them), built with MLX's options for sm_<arch>a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
+BUNDLED = CHAINS + ",packed_weights,bundled_weights"
+# (LILY_MLX_ENABLE, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES) of the decode steps gpu_checks.sh runs
+CONFIGS = [
+    ("", "", ""), ("packed_weights", "", ""), ("moe_chain", "", ""), ("moe_chain,deltanet_chain_out", "", ""),
+    ("moe_chain,deltanet_chain", "", ""), ("moe_chain,deltanet_chain_out,packed_weights", "", ""), (CHAINS, "", ""),
+    (CHAINS + ",packed_weights", "", ""), (BUNDLED, "", ""), (BUNDLED, "", "LILY_SYNC_SLEEP_NS=0"),
+    (BUNDLED, "", "LILY_SYNC_SLEEP_NS=1024"), (BUNDLED, "", "LILY_CHAIN_TRACE=4096"),
+    ("", "moe_gate_up.WARPS=4", ""), (BUNDLED, "moe_gate_up.WARPS=4", ""),
+]
+CONTEXTS = (64, 4096)
+
+
+def trace(context: int) -> None:
+    """This process's configuration (from its environment): one JSON line {kernel name: full source} a launch."""
+    spec = importlib.util.spec_from_file_location("cuda_registers", ROOT / "scripts" / "cuda_registers.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    switches = tuple(s for s in os.environ.get("LILY_MLX_ENABLE", "").split(",") if s)
+    for *_, source in tool.decode_step_launches(switches, context):
+        print(json.dumps({"kernel": re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1),
+                          "source": source}))
+
+
+def sources(jobs: int) -> dict[str, tuple[str, str]]:
+    """{module name: (kernel name, source)} over every configuration and context."""
+    from lily_mlx.ops import kernel_cache
+
+    runs = [(c, ctx) for c in CONFIGS for ctx in CONTEXTS]
+
+    def one(run):
+        (enable, plan, defines), ctx = run
+        env = dict(os.environ, LILY_MLX_ENABLE=enable, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines)
+        r = subprocess.run([sys.executable, __file__, "--trace", str(ctx)], env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"prebuild_kernels: tracing {run} failed:\n{r.stderr[-3000:]}")
+        return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+    found = {}
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for launches in pool.map(one, runs):
+            for launch in launches:
+                found[kernel_cache.module_name(launch["kernel"], launch["source"])] = (launch["kernel"], launch["source"])
+    return found
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / ".ptx-cache" / "lily-kernels.tar.xz")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--arch", type=int, default=90, help="the device's compute capability (H100, H200: 90)")
+    ap.add_argument("--trace", type=int, metavar="CONTEXT", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.trace is not None:
+        trace(a.trace)
+        return 0
+    from lily_mlx.ops import kernel_cache
+
+    nvrtc = kernel_cache.Nvrtc()
+    cuda = Path(nvrtc.lib._name).resolve().parent.parent / "include"
+    with tempfile.TemporaryDirectory() as tmp:
+        device = Path(tmp) / "include" / "mlx" / "backend" / "cuda" / "device"
+        device.mkdir(parents=True)
+        # The CUDA wheel's config.h: MAX_NDIM sizes the Shape and Strides kernel parameters.
+        (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+        major, minor = divmod(a.arch, 10)
+        options = ["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}",
+                   f"--include-path={Path(tmp) / 'include'}", f"--include-path={cuda / 'cccl'}", f"--include-path={cuda}"]
+        found = sources(a.jobs)
+        print(f"{len(found)} kernel instances over {len(CONFIGS)} configurations x {len(CONTEXTS)} contexts", flush=True)
+        cache = Path(tmp) / "ptx"
+
+        def build(item):
+            name, (kernel, source) = item
+            full = "mlx::core::cu::" + kernel
+            binary, lowered = nvrtc.compile(source, name + ".cu", full, options,
+                                            {kernel_cache.UTILS_NAME: kernel_cache.UTILS_STANDIN})
+            kernel_cache.store(kernel_cache.ptx_path(cache, name), full, lowered, binary)
+            return kernel
+
+        with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+            for i, kernel in enumerate(pool.map(build, sorted(found.items())), 1):
+                print(f"  {i}/{len(found)} {kernel[:90]}", flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(a.out, "w:xz") as tar:
+            tar.add(cache, arcname=".")
+    print(f"{a.out}: {a.out.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
