@@ -16,7 +16,7 @@ LILY_INLINE float lily_qdot16(uint4 q, const LILY_THREAD float* xr) {
     for (int c = 0; c < CPW; ++c) {
       const int sh = (23 - BITS) - BITS * c;  // moves code c to the top of the mantissa
       const uint32_t u = sh >= 0 ? (words[wi] << (sh & 31)) : (words[wi] >> ((-sh) & 31));
-      a = LILY_FMA(xr[wi * CPW + c], LILY_AS_FLOAT(0x3F800000u | (u & MANT)), a);
+      a = LILY_FMA(xr[wi * CPW + c], lily_code_float<MANT>(u), a);
     }
   }
   return a;

@@ -20,6 +20,23 @@
 #define LILY_U4(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define LILY_AS_FLOAT(u) __uint_as_float(u)
+
+// The float (mant's bits of u) | 1.0f's bits: a code at the top of the mantissa as 1 + q / 2^BITS (lily_qdot16). As
+// C++ ptxas spends two LOP3s on it, its two constants not fitting one instruction; experiment LILY_CODE_LOP3=1 puts
+// 1.0f's bits in a register and asks for one (an instruction fewer a code: 4 -> 3 with the shift and the FFMA).
+#ifndef LILY_CODE_LOP3
+#define LILY_CODE_LOP3 0
+#endif
+template <uint32_t MANT>
+LILY_INLINE float lily_code_float(uint32_t u) {
+#if LILY_CODE_LOP3
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(u), "n"(MANT), "r"(0x3F800000u));  // (a & b) | c
+  return __uint_as_float(r);
+#else
+  return __uint_as_float(0x3F800000u | (u & MANT));
+#endif
+}
 #define LILY_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 
 // Block-wide barrier over shared memory; xor shuffle inside one warp of 32 lanes.

@@ -22,6 +22,9 @@
 #define LILY_U4(a, b, c, d) uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) float4((a), (b), (c), (d))
 #define LILY_AS_FLOAT(u) as_type<float>(u)
+// The float (MANT's bits of u) | 1.0f's bits (lily_qdot16; see prelude_cuda.h).
+template <uint32_t MANT>
+LILY_INLINE float lily_code_float(uint32_t u) { return as_type<float>(0x3F800000u | (u & MANT)); }
 #define LILY_FMA(a, b, c) metal::fma((a), (b), (c))
 
 #define LILY_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)

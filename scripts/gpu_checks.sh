@@ -117,6 +117,16 @@ for sleep in 0 1024; do
 done
 step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline.json"
+# lily_qdot16's code-to-float in one LOP3, not two (an instruction fewer a 4-bit weight: a 35B qmv's SASS 1536 ->
+# 1280 instructions, moe_down_combine's 2312 -> 2024; the same bits by construction): first the cuda tests of the
+# kernels that decode codes with the define, then the step's kernels on the timeline.
+step 60 150 "cuda tests of qmv and the MoE kernels, LILY_CODE_LOP3=1" env LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 \
+  python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider tests/test_qmv.py tests/test_moe_kernels.py tests/test_moe_chain.py
+step 60 120 "decode step on the GPU's timeline, LILY_CODE_LOP3=1" env LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_lop3.json"
+step 60 120 "every chain on the GPU's timeline, LILY_CODE_LOP3=1" env LILY_MLX_ENABLE="$chains" \
+  LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
+  --json "$res/timeline_chains_lop3.json"
 # moe_gate_up's 288 blocks of 8 warps take two waves on 132 SMs (2 an SM at 89 registers), the second 9% full; in
 # 4-warp blocks 576 fit in one (5 an SM: scripts/cuda_registers.py --decode-step). moe_chain's block follows it.
 step 60 120 "decode step on the GPU's timeline, moe_gate_up in 4-warp blocks" env LILY_MLX_PLAN=moe_gate_up.WARPS=4 \

@@ -35,7 +35,8 @@ CONFIGS = [
     ("moe_chain,deltanet_chain", "", ""), ("moe_chain,deltanet_chain_out,packed_weights", "", ""), (CHAINS, "", ""),
     (CHAINS + ",packed_weights", "", ""), (BUNDLED, "", ""), (BUNDLED, "", "LILY_SYNC_SLEEP_NS=0"),
     (BUNDLED, "", "LILY_SYNC_SLEEP_NS=1024"), (BUNDLED, "", "LILY_CHAIN_TRACE=4096"),
-    ("", "moe_gate_up.WARPS=4", ""), (BUNDLED, "moe_gate_up.WARPS=4", ""),
+    ("", "moe_gate_up.WARPS=4", ""), (BUNDLED, "moe_gate_up.WARPS=4", ""), ("", "", "LILY_CODE_LOP3=1"),
+    (BUNDLED, "", "LILY_CODE_LOP3=1"),
 ]
 CONTEXTS = (64, 4096)
 

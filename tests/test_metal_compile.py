@@ -160,6 +160,25 @@ def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
     assert rc == 0, f"the traced chains do not compile:\n{log}"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
+def test_cuda_code_lop3_experiment_compiles(tmp_path, monkeypatch):
+    """LILY_CODE_LOP3=1 (lily_qdot16's code-to-float as one lop3) compiles in the kernels that decode codes; by default
+    the header's #ifndef leaves it 0 (plain C++)."""
+    names = ("qmv", "moe_gate_up_pw", "moe_down_combine", "moe_chain_pb")
+    plain = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
+    assert all("#define LILY_CODE_LOP3 0\n" in src and "#define LILY_CODE_LOP3 1" not in src for src in plain)
+    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CODE_LOP3=1")
+    kernels.experiment_values.cache_clear()
+    try:
+        sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_values.cache_clear()
+    assert all("#define LILY_CODE_LOP3 1\n" in src and "lop3.b32" in src for src in sources)
+    rc, log = _cuda_ptx(tmp_path, sources)
+    assert rc == 0, f"the LILY_CODE_LOP3 kernels do not compile:\n{log}"
+
+
 def test_experiment_defines_reach_every_header(monkeypatch):
     """$LILY_MLX_KERNEL_DEFINES puts its #defines before a kernel's header (before the #ifndef defaults), on both
     backends; anything but LILY_* NAME=one-token VALUE is refused with the variable named."""
