@@ -139,6 +139,18 @@ def test_a_failed_build_is_left_to_mlx(fresh_cache, monkeypatch):
     assert kernel_cache.stats["failed"] == 3 and not any(fresh_cache.iterdir())
 
 
+def test_an_unusable_cache_folder_builds_nothing(fresh_cache, monkeypatch):
+    """A cache folder that cannot be made is said once; nothing is built for it (a build would be lost)."""
+    (fresh_cache / "file").write_text("")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(fresh_cache / "file" / "ptx"))
+    fake = FakeNvrtc()
+    monkeypatch.setattr(kernel_cache, "_compiler", (fake, []))
+    with ops.switched("kernel_cache", True), pytest.warns(UserWarning, match="file/ptx") as said:
+        _qmv_launch()
+        _qmv_launch(mx.float32)
+    assert len(said) == 1 and not fake.calls and kernel_cache.stats["failed"] == 2
+
+
 def _nvrtc():
     try:
         return kernel_cache.Nvrtc()

@@ -205,7 +205,9 @@ _unavailable: Optional[str] = None  # why nothing can be built here (said once)
 
 def _build_tools() -> Optional[tuple]:
     global _compiler, _unavailable
-    if _compiler is None and _unavailable is None:
+    if _unavailable is not None:
+        return None
+    if _compiler is None:
         try:
             nvrtc = Nvrtc()
             _compiler = (nvrtc, nvrtc_options(nvrtc, device_arch()))
@@ -213,6 +215,21 @@ def _build_tools() -> Optional[tuple]:
             _unavailable = str(e)
             warnings.warn(f"kernel_cache: kernels are left to MLX's own build in every process: {e}", stacklevel=4)
     return _compiler
+
+
+def _writable(folder: Path) -> bool:
+    """Whether builds can be stored in `folder` (made if missing); if not, said once and nothing more is built."""
+    global _unavailable
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return True
+        why = f"{folder} is not writable"
+    except OSError as e:
+        why = f"{folder}: {e}"
+    _unavailable = why
+    warnings.warn(f"kernel_cache: kernels are left to MLX's own build in every process: {why}", stacklevel=4)
+    return False
 
 
 def ensure(key: tuple, kernel_name: str, source: str) -> None:
@@ -227,7 +244,7 @@ def ensure(key: tuple, kernel_name: str, source: str) -> None:
             path = ptx_path(cache_dir(), module_name(kernel_name, source))
             if path.is_file() and path.with_suffix(".txt").is_file():
                 stats["loaded"] += 1
-            elif _build_tools() is None:
+            elif _build_tools() is None or not _writable(path.parent):
                 stats["failed"] += 1
             else:
                 nvrtc, options = _compiler
