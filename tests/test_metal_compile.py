@@ -162,21 +162,21 @@ def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
 def test_cuda_code_lop3_experiment_compiles(tmp_path, monkeypatch):
-    """LILY_CODE_LOP3=1 (lily_qdot16's code-to-float as one lop3) compiles in the kernels that decode codes; by default
-    the header's #ifndef leaves it 0 (plain C++)."""
+    """lily_qdot16's code-to-float as one lop3 (LILY_CODE_LOP3, 1 by the header's #ifndef) and as plain C++
+    (LILY_CODE_LOP3=0, an experiment define) both compile in the kernels that decode codes."""
     names = ("qmv", "moe_gate_up_pw", "moe_down_combine", "moe_chain_pb")
     plain = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
-    assert all("#define LILY_CODE_LOP3 0\n" in src and "#define LILY_CODE_LOP3 1" not in src for src in plain)
-    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CODE_LOP3=1")
+    assert all("#define LILY_CODE_LOP3 1\n" in src and "#define LILY_CODE_LOP3 0" not in src for src in plain)
+    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CODE_LOP3=0")
     kernels.experiment_values.cache_clear()
     try:
         sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
     finally:
         monkeypatch.delenv(kernels.DEFINES_ENV)
         kernels.experiment_values.cache_clear()
-    assert all("#define LILY_CODE_LOP3 1\n" in src and "lop3.b32" in src for src in sources)
+    assert all("#define LILY_CODE_LOP3 0\n#" in src for src in sources) and sources != plain
     rc, log = _cuda_ptx(tmp_path, sources)
-    assert rc == 0, f"the LILY_CODE_LOP3 kernels do not compile:\n{log}"
+    assert rc == 0, f"the LILY_CODE_LOP3=0 kernels do not compile:\n{log}"
 
 
 def test_experiment_defines_reach_every_header(monkeypatch):
@@ -209,19 +209,19 @@ def test_plan_overrides_reach_the_planners_they_name(monkeypatch):
 
     shape = (1, 8, 2048, 512, 512, 4)  # the 35B-A3B experts: M, K, H, I, IS, bits
     default = moe.plan_gate_up(*shape)
-    assert (default["RPS"], default["WARPS"], default["blocks"]) == (2, 8, 288)
+    assert (default["RPS"], default["WARPS"], default["blocks"]) == (2, 4, 576)
     assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 4
     attn = qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn")
     chained = qmv.plan(1, 2048, 9216, 4, warps=16)
     try:
-        monkeypatch.setenv(kernels.PLAN_ENV, "moe_gate_up.WARPS=4, qmv.RPS=2, moe_down_combine.WARPS=8")
+        monkeypatch.setenv(kernels.PLAN_ENV, "moe_gate_up.WARPS=8, qmv.RPS=2, moe_down_combine.WARPS=8")
         kernels.plan_overrides.cache_clear()
         p = moe.plan_gate_up(*shape)
-        assert (p["RPS"], p["WARPS"], p["blocks"]) == (2, 4, 576)
-        assert moe.plan_gate_up(*shape, rps=1, warps=8)["WARPS"] == 8  # given: kept
+        assert (p["RPS"], p["WARPS"], p["blocks"]) == (2, 8, 288)
+        assert moe.plan_gate_up(*shape, rps=1, warps=4)["WARPS"] == 4  # given: kept
         chain = moe_chain.plan(*shape[:5], 257, 4, 8)
-        assert chain["WARPS"] == 4 and chain["down"]["WARPS"] == 4  # the chain's down phase keeps the chain's block
-        assert moe.plan_down(*shape)["WARPS"] == 8
+        assert chain["WARPS"] == 8 and chain["down"]["WARPS"] == 8  # the chain's down phase keeps the chain's block
+        assert moe.plan_down(*shape)["WARPS"] == 8 and moe.plan_down(*shape, warps=4)["WARPS"] == 4
         assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 2 and qmv.plan(1, 2048, 9216, 4)["blocks"] == min(576, qmv.MAX_BLOCKS)
         assert qmv.plan(1, 2048, 9216, 4, warps=16) == chained  # a chained phase's plan: its own
         assert qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn") == attn  # not named: its own

@@ -40,7 +40,7 @@ CASES = [
 ]
 
 # The emulated runs: every case at its planned launch, and three at forced rows per lane segment and
-# warps (the 35B-A3B gate/up plan is RPS 2, WARPS 8, or WARPS 4 under LILY_MLX_PLAN; the small shapes plan RPS 1,
+# warps (the 35B-A3B gate/up plan is RPS 2, WARPS 4, or WARPS 8 under LILY_MLX_PLAN; the small shapes plan RPS 1,
 # WARPS 4).
 EMULATED = [(c, None) for c in CASES] + [(CASES[3], {"rps": 2, "warps": 8}), (CASES[2], {"rps": 4, "warps": 8}),
                                          (CASES[3], {"rps": 2, "warps": 4})]

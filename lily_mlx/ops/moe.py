@@ -70,9 +70,11 @@ def plan_gate_up(M: int, K: int, H: int, I: int, IS: int, bits: int, rps: Option
         return m * K * -(-I // rb) + m * -(-IS // rb)
 
     if rps is None or warps is None:  # <= 8 chunks of gate + up in flight per lane
-        # Sized for M's bucket, so all token counts of a bucket share one build (the grid follows M itself).
+        # Sized for M's bucket, so all token counts of a bucket share one build (the grid follows M itself). 4-warp
+        # blocks: at ~90 registers an SM holds five (20 warps) where it holds two of 8 warps (16), and the 35B shape's
+        # 576 jobs fit one wave on 132 SMs, 288 of 8 warps two (H100: 14.4 -> 12.0 us a call, 2026-12-05).
         rps, warps = _overridden("moe_gate_up", *_shrink(lambda r, w: blocks(r, w, kernels.row_bucket(M)),
-                                                         max(1, min(4, 4 // cpl)), 8))
+                                                         max(1, min(4, 4 // cpl)), 4))
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": blocks(rps, warps)}
 
 
