@@ -73,11 +73,11 @@ def test_chain_emulated_matches_oracle(tmp_path):
 def test_plan_shares_one_block_size():
     """The three phases run in blocks of one size: down's rows are planned for gate/up's warps, and the router's
     rows per block are a warp's rows in flight (one 16-byte chunk of 8-bit codes a lane: 4 chunks at H = 2048)."""
-    p = moe_chain.plan(1, 8, 2048, 512, 512, 257, 4, 8)
-    assert p["WARPS"] == p["gate_up"]["WARPS"] == 8 and p["RROWS"] == 8
+    p = moe_chain.plan(1, 8, 2048, 512, 512, 257, 4, 8)  # 4-warp blocks, as moe_gate_up plans them
+    assert p["WARPS"] == p["gate_up"]["WARPS"] == 4 and p["RROWS"] == 4
     assert p["down"]["RPS"] == 1 and p["down"]["inflight"] <= moe.MAX_INFLIGHT
-    assert p["blocks"] == 33 + p["gate_up"]["blocks"] + p["down"]["blocks"]
-    assert moe_chain.plan(3, 8, 2048, 512, 512, 257, 4, 4)["RROWS"] == 16  # 4-bit router: 2 chunks a lane, 2 rows
+    assert p["blocks"] == 65 + p["gate_up"]["blocks"] + p["down"]["blocks"]
+    assert moe_chain.plan(3, 8, 2048, 512, 512, 257, 4, 4)["RROWS"] == 8  # 4-bit router: 2 chunks a lane, 2 rows
 
 
 def test_unsupported_arguments_are_declined():
