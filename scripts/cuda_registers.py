@@ -118,11 +118,11 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
     from mlx.utils import tree_map_with_path
 
     from bench import random_model
+    from bench.step_dispatch import standin
     from lily_mlx import ops
     from lily_mlx.config import ModelConfig
     from lily_mlx.decode import CompiledDecoder
     from lily_mlx.model import Model
-    from lily_mlx.ops import metal_source
 
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", {**(widths or {}), "num_hidden_layers": 4}, 0, 4, 64,
                                                               "bfloat16"))
@@ -133,20 +133,12 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
                                                           p.endswith("A_log") else x.dtype), model.parameters()))
     launched = []
 
-    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, *rest):
-        outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
-        return mx.depends(outs, list(inputs))
-
     def counted(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        spec = kernels.SPECS[name]
-        src = kernels.body(spec, "cuda")
-        source = metal_source.cuda_source(name, spec.input_names, spec.output_names, src,
-                                          kernels.spec_header(spec, "cuda", src),
-                                          [(a.dtype, tuple(a.shape)) for a in inputs], output_dtypes, template)[1]
+        source = kernels.launch_source(name, False, inputs, template, output_dtypes)[1]
         threads = group[0] * group[1] * group[2]
         blocks = (-(-grid[0] // group[0])) * (-(-grid[1] // group[1])) * (-(-grid[2] // group[2]))
         launched.append((name, blocks, threads, smem, source))
-        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes)
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
 
     with contextlib.ExitStack() as stack:
         for n in switches:

@@ -87,15 +87,8 @@ def main(argv=None) -> int:
     from lily_mlx.ops import kernel_cache
 
     nvrtc = kernel_cache.Nvrtc()
-    cuda = Path(nvrtc.lib._name).resolve().parent.parent / "include"
     with tempfile.TemporaryDirectory() as tmp:
-        device = Path(tmp) / "include" / "mlx" / "backend" / "cuda" / "device"
-        device.mkdir(parents=True)
-        # The CUDA wheel's config.h: MAX_NDIM sizes the Shape and Strides kernel parameters.
-        (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
-        major, minor = divmod(a.arch, 10)
-        options = ["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}",
-                   f"--include-path={Path(tmp) / 'include'}", f"--include-path={cuda / 'cccl'}", f"--include-path={cuda}"]
+        options = kernel_cache.offline_options(nvrtc, Path(tmp) / "include", divmod(a.arch, 10))
         found = sources(a.jobs)
         print(f"{len(found)} kernel instances over {len(CONFIGS)} configurations x {len(CONTEXTS)} contexts", flush=True)
         cache = Path(tmp) / "ptx"

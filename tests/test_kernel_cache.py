@@ -163,12 +163,8 @@ def test_nvrtc_builds_the_chains_with_the_standin_header(tmp_path):
     for sm_90a and the kernel's lowered name, with MLX's options and the stand-in for MLX's utils.cuh over a config.h
     like the CUDA wheel's (MAX_NDIM 10: the layout of Shape and Strides kernel parameters)."""
     nvrtc = _nvrtc()
-    device = tmp_path / "mlx" / "backend" / "cuda" / "device"
-    device.mkdir(parents=True)
-    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
-    cuda = Path(nvrtc.lib._name).resolve().parent.parent / "include"
-    options = ["--device-as-default-execution-space", "--gpu-architecture=sm_90a", f"--include-path={tmp_path}",
-               f"--include-path={cuda / 'cccl'}", f"--include-path={cuda}"]
+    options = kernel_cache.offline_options(nvrtc, tmp_path)
+    assert "--gpu-architecture=sm_90a" in options and (tmp_path / "mlx/backend/cuda/device/config.h").is_file()
     for name in ("qmv", "moe_chain_pb", "deltanet_chain_out_pb", "attn_chain_pb"):
         spec = kernels.SPECS[name]
         kname, source = kernels.full_source(spec, "cuda", spec.instances()[-1])

@@ -201,6 +201,19 @@ def nvrtc_options(nvrtc: Nvrtc, arch: tuple[int, int]) -> list[str]:
     return ["--device-as-default-execution-space", target, *(f"--include-path={p}" for p in (*paths, cudart))]
 
 
+def offline_options(nvrtc: Nvrtc, folder: Path, arch: tuple[int, int] = (9, 0)) -> list[str]:
+    """nvrtc_options for a machine without MLX's CUDA wheel (the CPU build, scripts/prebuild_kernels.py, the tests):
+    the wheel's config.h written under `folder` (MAX_NDIM 10 sizes the Shape and Strides kernel parameters), the
+    CUDA headers beside the NVRTC library."""
+    device = folder / "mlx" / "backend" / "cuda" / "device"
+    device.mkdir(parents=True, exist_ok=True)
+    (device / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+    cuda = Path(nvrtc.lib._name).resolve().parent.parent / "include"
+    target = f"--gpu-architecture=sm_{arch[0]}{arch[1]}{'a' if arch[0] >= 9 else ''}"
+    return ["--device-as-default-execution-space", target, f"--include-path={folder}", f"--include-path={cuda / 'cccl'}",
+            f"--include-path={cuda}"]
+
+
 _compiler: Optional[tuple] = None
 _unavailable: Optional[str] = None  # why nothing can be built here (said once)
 

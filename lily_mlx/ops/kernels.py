@@ -696,15 +696,18 @@ def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_
         output_dtypes=output_dtypes, **kwargs)
 
 
+def launch_source(name: str, via_files: bool, inputs, template, output_dtypes) -> tuple[str, str]:
+    """(kernel name, full source) MLX's cuda_kernel generates for this launch of a registered spec."""
+    spec = SPECS[name]
+    src, hdr = texts(name, "cuda", via_files)
+    return metal_source.cuda_source(name, spec.input_names, spec.output_names, src, hdr,
+                                    [(a.dtype, tuple(a.shape)) for a in inputs], output_dtypes, template)
+
+
 def cached_build(name: str, via_files: bool, inputs, template, output_dtypes) -> None:
-    """kernel_cache.ensure for this launch's instance: the full source MLX's cuda_kernel will generate from it."""
+    """kernel_cache.ensure for this launch's instance."""
     from . import kernel_cache
 
     key = (name, via_files, tuple(template), tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes))
-    if key in kernel_cache._seen:
-        return
-    spec = SPECS[name]
-    src, hdr = texts(name, "cuda", via_files)
-    kname, source = metal_source.cuda_source(name, spec.input_names, spec.output_names, src, hdr,
-                                             [(a.dtype, tuple(a.shape)) for a in inputs], output_dtypes, template)
-    kernel_cache.ensure(key, kname, source)
+    if key not in kernel_cache._seen:
+        kernel_cache.ensure(key, *launch_source(name, via_files, inputs, template, output_dtypes))
