@@ -1,5 +1,6 @@
-"""Inside a decode step's chained kernels: each block's SM and phase, when it took its ticket, how long it waited for
-the phase before and when it ended, by the GPU's %globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
+"""Inside a decode step's chained kernels: each block's SM and phase, when it started, took its ticket, resumed after
+the phase before, passed its mark (the x row staged, or its weight loads issued) and ended, by the GPU's
+%globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
 The timeline (run 38) has every chain slower than the kernels it replaces; this shows where inside it the time
 goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the blocks' own work.
 
@@ -22,15 +23,16 @@ from pathlib import Path
 import numpy as np
 
 def phases(records: np.ndarray) -> dict:
-    """records [blocks, 4] int32 of one launch (SM | phase << 16, ticket time, waited, ended; ns, the ticket time
-    mod 2^32, the others after it) -> the launch's span and, per phase, its blocks and SMs, the first and last
-    ticket, the first and last resume (after the wait), the last end, a block's mean time after its wait, and the
-    wake-up (first resume after the phase before's last end); times in us from the launch's first ticket."""
+    """records [blocks, 6] int32 of one launch (SM | phase << 16, start time, then ticket, resume, mark and end after
+    it; ns, the start mod 2^32) -> the launch's span and, per phase, its blocks and SMs, the first and last start,
+    the first and last resume (after the wait), the last end, a block's mean ticket latency (start to ticket), time
+    after its wait to its mark (the x row staged, or its weight loads issued) and after its wait to its end, and the
+    wake-up (first resume after the phase before's last end); times in us from the launch's first start."""
     sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
     t = records[:, 1].astype(np.int64)
     t = (t - t[0] + 2**31) % 2**32 - 2**31  # the low 32 bits wrap every 4.3 s
     t -= t.min()
-    resumed, ended = t + records[:, 2], t + records[:, 3]
+    ticket, resumed, marked, ended = (t + records[:, i] for i in (2, 3, 4, 5))
     out, before_end = {"span_us": float(ended.max()) / 1e3, "phases": []}, None
     for p in sorted(set(phase.tolist())):
         m = phase == p
@@ -38,6 +40,8 @@ def phases(records: np.ndarray) -> dict:
                "tickets_us": [float(t[m].min()) / 1e3, float(t[m].max()) / 1e3],
                "resumed_us": [float(resumed[m].min()) / 1e3, float(resumed[m].max()) / 1e3],
                "ended_us": float(ended[m].max()) / 1e3,
+               "ticket_us": float((ticket[m] - t[m]).mean()) / 1e3,
+               "to_mark_us": float((marked[m] - resumed[m]).mean()) / 1e3,
                "work_us": float((ended[m] - resumed[m]).mean()) / 1e3}
         if before_end is not None:
             row["wake_us"] = row["resumed_us"][0] - before_end
@@ -124,8 +128,9 @@ def main(argv=None) -> int:
                 wake = f", woke {p['wake_us']:.2f} us after the phase before" if "wake_us" in p else ""
                 print(f"  phase {p['phase']}: {p['blocks']:.0f} blocks on {p['sms']:.0f} SMs, tickets "
                       f"{p['tickets_us'][0]:.2f}-{p['tickets_us'][1]:.2f}, resumed {p['resumed_us'][0]:.2f}-"
-                      f"{p['resumed_us'][1]:.2f}{wake}, ended by {p['ended_us']:.2f}; a block's work "
-                      f"{p['work_us']:.2f} us", flush=True)
+                      f"{p['resumed_us'][1]:.2f}{wake}, ended by {p['ended_us']:.2f}; a block's ticket "
+                      f"{p['ticket_us']:.2f} us, work {p['work_us']:.2f} us ({p['to_mark_us']:.2f} to its mark)",
+                      flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -28,7 +28,9 @@ LILY_INLINE void lily_sync_reset(const device int* sync, int slots) {
 // sync_cuda.h's trace hooks: Metal has no global timer to read, so nothing is recorded.
 #define LILY_TRACE_DECL
 #define LILY_TRACE_BEGIN() ((void)0)
+#define LILY_TRACE_TICKETED() ((void)0)
 #define LILY_TRACE_WAITED() ((void)0)
+#define LILY_TRACE_MARK() ((void)0)
 #define LILY_TRACE_END(vb, phase) ((void)0)
 
 #endif

@@ -446,11 +446,13 @@ def test_gpu_timeline_refuses_without_cuda():
 @pytest.mark.parametrize("base", [-150, 2**31 - 150], ids=["uint32 wrap", "int32 wrap"])
 def test_chain_trace_reads_the_blocks_records(base):
     """bench.chain_trace's reading of a launch's records: times from the first ticket across the timer's 32-bit
-    wrap, each phase's tickets, resumes, last end, mean work and wake-up after the phase before; then averaged."""
+    wrap, each phase's starts, resumes, last end, mean ticket latency, work and time to its mark, and wake-up after the
+    phase before; then averaged."""
     ct = importlib.import_module(bench.__name__ + ".chain_trace")
-    ticket = [base + d for d in (0, 100, 200, 300, 400)]  # ns; the last two blocks are phase 1's
-    rec = np.array([[sm | p << 16, (t + 2**31) % 2**32 - 2**31, wait, end] for sm, p, t, wait, end in
-                    zip((0, 1, 2, 0, 1), (0, 0, 0, 1, 1), ticket, (0, 0, 0, 1200, 1200), (1000, 1000, 1000, 2700, 2700))],
+    start = [base + d for d in (0, 100, 200, 300, 400)]  # ns; the last two blocks are phase 1's
+    rec = np.array([[sm | p << 16, (t + 2**31) % 2**32 - 2**31, tk, wait, mark, end] for sm, p, t, tk, wait, mark, end in
+                    zip((0, 1, 2, 0, 1), (0, 0, 0, 1, 1), start, (40, 60, 80, 100, 100), (40, 60, 80, 1200, 1200),
+                        (600, 600, 600, 1700, 1700), (1000, 1000, 1000, 2700, 2700))],
                    dtype=np.int64).astype(np.int32)
     got = ct.phases(rec)
     assert got["span_us"] == pytest.approx(3.1)
@@ -458,8 +460,10 @@ def test_chain_trace_reads_the_blocks_records(base):
     assert (p0["blocks"], p0["sms"], p1["blocks"], p1["sms"]) == (3, 3, 2, 2) and "wake_us" not in p0
     assert p0["tickets_us"] == pytest.approx([0.0, 0.2]) and p0["ended_us"] == pytest.approx(1.2)
     assert p1["tickets_us"] == pytest.approx([0.3, 0.4]) and p1["resumed_us"] == pytest.approx([1.5, 1.6])
-    assert p1["wake_us"] == pytest.approx(0.3) and p1["work_us"] == pytest.approx(1.5) and p0["work_us"] == 1.0
-    later = ct.phases(np.concatenate([rec[:, :3], rec[:, 3:] + 1000], axis=1))  # every block ends 1 us later
+    assert p1["wake_us"] == pytest.approx(0.3) and p1["work_us"] == pytest.approx(1.5)
+    assert p0["work_us"] == pytest.approx(0.94) and p0["to_mark_us"] == pytest.approx(0.54)
+    assert p0["ticket_us"] == pytest.approx(0.06) and p1["ticket_us"] == 0.1 and p1["to_mark_us"] == 0.5
+    later = ct.phases(np.concatenate([rec[:, :5], rec[:, 5:] + 1000], axis=1))  # every block ends 1 us later
     mean = ct.mean_of([got, later])
     assert mean["launches"] == 2 and mean["span_us"] == pytest.approx(3.6)
     assert mean["phases"][1]["work_us"] == pytest.approx(2.0) and mean["phases"][1]["blocks"] == 2

@@ -153,7 +153,7 @@ def placeholder(dtype: mx.Dtype) -> mx.array:
 
 
 SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fewer in its read-only constant space
-TRACE_FIELDS = 4  # a traced block's record: SM | phase << 16, ticket time, waited, ended (ns; sync_cuda.h)
+TRACE_FIELDS = 6  # a traced block's SM | phase << 16, start, then its ticket, resume, mark, end (ns; sync_cuda.h)
 
 
 def sync_counters() -> mx.array:
