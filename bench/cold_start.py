@@ -24,8 +24,9 @@ from pathlib import Path
 
 def run_arm(model: str, arm: str, folder: Path, context: int) -> dict:
     env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder))
-    enabled = [s for s in env.get("LILY_MLX_ENABLE", "").split(",") if s and s != "kernel_cache"]
-    env["LILY_MLX_ENABLE"] = ",".join(enabled + (["kernel_cache"] if arm == "on" else []))
+    for var, named in (("LILY_MLX_ENABLE", arm == "on"), ("LILY_MLX_DISABLE", arm == "off")):
+        rest = [s for s in env.get(var, "").split(",") if s and s != "kernel_cache"]
+        env[var] = ",".join(rest + (["kernel_cache"] if named else []))
     cmd = [sys.executable, "-m", "bench.profile_decode", "--model", model, "--context", str(context), "--steps", "4",
            "--no-ops"]
     t0 = time.perf_counter()

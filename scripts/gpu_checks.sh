@@ -26,6 +26,10 @@ res=${res:-$out/reports}
 mkdir -p "$out" "$res"
 start=$(date +%s)
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+# kernel_cache (on by default: each kernel built once a machine, not once a process): KERNEL_CACHE=auto (default)
+# turns it off after the tests if its cuda tests failed there, 1 keeps it on, 0 turns it off for every step.
+kc=${KERNEL_CACHE:-auto}
+[ "$kc" = 0 ] && export LILY_MLX_DISABLE=kernel_cache${LILY_MLX_DISABLE:+,$LILY_MLX_DISABLE}
 mkdir -p "$MLX_PTX_CACHE_DIR"
 [ -f .ptx-cache/ptx.tar.xz ] && tar -C "$MLX_PTX_CACHE_DIR" -xJf .ptx-cache/ptx.tar.xz && \
   echo "ptx cache: $(find "$MLX_PTX_CACHE_DIR" -name '*.ptx' | wc -l) kernels from .ptx-cache/"
@@ -40,20 +44,8 @@ save_ptx_cache() {  # the compiled kernels without their sources, for the next m
 }
 left() { echo $((budget - ($(date +%s) - start))); }
 step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for at most CAP of them (0: all left)
-  local need=$1 cap=$2 name=$3 limit i found=
+  local need=$1 cap=$2 name=$3 limit
   shift 3
-  if [ -n "${KC:-}" ]; then  # kernel_cache on in the command's switches (an `env LILY_MLX_ENABLE=...` of its own too)
-    local args=("$@")
-    if [ "${args[0]}" = env ]; then
-      for i in "${!args[@]}"; do
-        case "${args[$i]}" in LILY_MLX_ENABLE=*) args[$i]="${args[$i]},kernel_cache"; found=1 ;; esac
-      done
-      [ -n "$found" ] || args=(env "LILY_MLX_ENABLE=kernel_cache${LILY_MLX_ENABLE:+,$LILY_MLX_ENABLE}" "${args[@]:1}")
-    else
-      args=(env "LILY_MLX_ENABLE=kernel_cache${LILY_MLX_ENABLE:+,$LILY_MLX_ENABLE}" "${args[@]}")
-    fi
-    set -- "${args[@]}"
-  fi
   if [ -n "${SKIP:-}" ] && [[ "$name" =~ $SKIP ]]; then echo "== $name: skipped (SKIP)"; return; fi
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
   limit=$(left)
@@ -81,24 +73,21 @@ else
     --ignore=tests/test_notebooks.py
 fi
 wait
-# kernel_cache (each kernel built once a machine, not once a process) for every later step: KERNEL_CACHE=1 always,
-# 0 never, auto (default) once its two cuda tests passed in the tests step above.
-KC=
-case "${KERNEL_CACHE:-auto}" in
-  1) KC=1 ;;
-  auto) python3 - "$res/tests.xml" <<'PY' && KC=1
+# kernel_cache (on by default) goes off for the later steps with KERNEL_CACHE=auto if either of its two cuda tests
+# failed in the tests step above.
+if [ "$kc" = auto ]; then
+  python3 - "$res/tests.xml" <<'PY' || kc=0
 import sys, xml.etree.ElementTree as ET
 try:
     cases = {c.get("name"): c for c in ET.parse(sys.argv[1]).iter("testcase")}
 except (OSError, ET.ParseError):
-    sys.exit(1)
+    sys.exit(0)
 need = ("test_mlx_loads_the_build_stored_under_its_name_cuda", "test_cached_kernel_equals_mlx_build_cuda")
-bad = ("failure", "error", "skipped")
-sys.exit(0 if all(n in cases and not any(c.tag in bad for c in cases[n]) for n in need) else 1)
+sys.exit(1 if any(n in cases and any(c.tag in ("failure", "error") for c in cases[n]) for n in need) else 0)
 PY
-  ;;
-esac
-echo "kernel_cache in the later steps: ${KC:-off}"
+  [ "$kc" = 0 ] && export LILY_MLX_DISABLE=kernel_cache${LILY_MLX_DISABLE:+,$LILY_MLX_DISABLE}
+fi
+echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 # Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
 # defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights

@@ -405,8 +405,9 @@ def test_gpu_timeline_splits_busy_and_idle_time():
 
 
 def test_cold_start_runs_each_arm_twice_on_one_fresh_cache(tmp_path, monkeypatch):
-    """bench.cold_start: per arm two processes on one MLX cache folder of their own, kernel_cache on only in the
-    `on` arm (the caller's other switches kept), each timed with the builds left on disk."""
+    """bench.cold_start: per arm two processes on one MLX cache folder of their own, kernel_cache on in the `on` arm
+    and off in the `off` arm whatever the caller set (the caller's other switches kept), each timed with the builds
+    left on disk."""
     cs = importlib.import_module(bench.__name__ + ".cold_start")
     seen = []
 
@@ -414,14 +415,16 @@ def test_cold_start_runs_each_arm_twice_on_one_fresh_cache(tmp_path, monkeypatch
         if cmd[0] == "git":
             return subprocess.CompletedProcess(cmd, 0, "abc123\n", "")
         folder = Path(env["MLX_PTX_CACHE_DIR"])
-        seen.append((folder, env["LILY_MLX_ENABLE"], cmd[cmd.index("--model") + 1]))
+        seen.append((folder, (env["LILY_MLX_ENABLE"], env["LILY_MLX_DISABLE"]), cmd[cmd.index("--model") + 1]))
         (folder / f"k{len(seen)}.ptx").write_bytes(b"")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setenv("LILY_MLX_ENABLE", "moe_chain,kernel_cache")
+    monkeypatch.setenv("LILY_MLX_DISABLE", "kernel_cache,qmv")
     monkeypatch.setattr(cs.subprocess, "run", fake_run)
     assert cs.main(["--model", "M", "--json", str(tmp_path / "r.json")]) == 0
-    assert [e for _, e, _ in seen] == ["moe_chain", "moe_chain", "moe_chain,kernel_cache", "moe_chain,kernel_cache"]
+    off, on = ("moe_chain", "qmv,kernel_cache"), ("moe_chain,kernel_cache", "qmv")
+    assert [e for _, e, _ in seen] == [off, off, on, on]
     assert seen[0][0] == seen[1][0] != seen[2][0] == seen[3][0] and {m for *_, m in seen} == {"M"}
     report = json.loads((tmp_path / "r.json").read_text())
     rows = report["rows"]

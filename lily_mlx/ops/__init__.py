@@ -174,7 +174,7 @@ register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then M
 register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
                 default_on=False)
 register_switch("kernel_cache", "CUDA kernels built once per machine into MLX's on-disk cache, which MLX reads but "
-                "never writes for custom kernels (ops/kernel_cache.py)", default_on=False)
+                "never writes for custom kernels (ops/kernel_cache.py)")
 
 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:
