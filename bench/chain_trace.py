@@ -5,11 +5,12 @@ The timeline (run 38) has every chain slower than the kernels it replaces; this 
 goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the blocks' own work.
 
     LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \\
-        python -m bench.chain_trace --model PATH --context 64 4096
+        python -m bench.chain_trace --model PATH --context 64 4096 [--compiled]
 
-The steps run eagerly, not through the compiled decoder, so that every launch has counters of its own to read
-back; a block's timings inside its launch do not depend on that (nor on bundled_weights, which only the compiled
-decoder applies: the same body reading its weights through other pointers). Needs MLX's CUDA backend.
+The steps run eagerly (every launch has counters of its own to read back), or with --compiled through the compiled
+decoder as generate runs them (each launch site's counters a constant of the trace, read after each step; only there
+bundled_weights applies). Eager steps measured ~1.5x the compiled launches' times on the H100 (run 41). Needs MLX's
+CUDA backend.
 """
 
 from __future__ import annotations
@@ -62,40 +63,48 @@ def mean_of(launches: list[dict]) -> dict:
     return out
 
 
-def trace(model, context: int, steps: int, vocab: int) -> dict[str, list[dict]]:
-    """phases() of every chained launch over `steps` eager decode steps after a `context`-token prefill, by kernel."""
+def trace(model, context: int, steps: int, vocab: int, compiled: bool = False) -> dict[str, list[dict]]:
+    """phases() of every chained launch over `steps` decode steps after a `context`-token prefill, by kernel: eager
+    steps, or with `compiled` the compiled decoder's (as generate runs them; each launch site's counters are a
+    constant of the trace, so its records are those of the step just run, read after each)."""
     import mlx.core as mx
 
+    from lily_mlx.decode import CompiledDecoder
     from lily_mlx.ops import kernels
 
-    from .profile_decode import prefilled_cache
+    from .profile_decode import greedy_next, prefilled_cache
 
     blocks = kernels.chain_trace_blocks()
     if not blocks:
         raise SystemExit(f"chain_trace: set {kernels.DEFINES_ENV}=LILY_CHAIN_TRACE=<blocks>, e.g. 4096")
     cache, tok = prefilled_cache(model, context, vocab), mx.array([[1]])
-    launches, real = [], kernels.call
+    step_fn = CompiledDecoder(model, cache, reserve=steps + 16) if compiled else lambda t: model(t, cache=cache)[:, -1]
+    launches, last, real = {}, {}, kernels.call
 
     def spy(name, backend, inputs, template, grid, threadgroup, *args, **kwargs):
         out = real(name, backend, inputs, template, grid, threadgroup, *args, **kwargs)
         if kernels.records_trace(name):
-            launches.append((name, inputs[kernels.SPECS[name].input_names.index("sync")], grid[0] // threadgroup[0]))
+            sync = inputs[kernels.SPECS[name].input_names.index("sync")]
+            launches[id(sync)] = (name, sync, grid[0] // threadgroup[0])
         return out
 
     by_kernel = defaultdict(list)
     kernels.call = spy
     try:
-        for step in range(2 + steps):  # two to compile
-            launches.clear()
-            tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+        for step in range(2 + steps):  # two to trace and compile
+            if not compiled:
+                launches.clear()
+            tok = greedy_next(step_fn(tok))
             mx.eval(tok)
             if step < 2:
                 continue
-            for name, sync, n in launches:
+            for name, sync, n in launches.values():
                 if n > blocks:
                     raise SystemExit(f"chain_trace: {name} launches {n} blocks, past LILY_CHAIN_TRACE={blocks}")
                 rec = np.array(sync)[kernels.SYNC_SLOTS:].reshape(-1, kernels.TRACE_FIELDS)[:n]
-                by_kernel[name].append(phases(rec))
+                if rec[:, 5].any() and last.get(id(sync)) != rec.tobytes():  # ran in this step
+                    by_kernel[name].append(phases(rec))
+                last[id(sync)] = rec.tobytes()
     finally:
         kernels.call = real
     if not by_kernel:
@@ -113,13 +122,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--context", type=int, nargs="+", default=[64])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="the compiled decoder's steps, not eager ones")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
-              "defines": kernels.experiment_values(), "contexts": []}
+              "defines": kernels.experiment_values(), "compiled": args.compiled, "contexts": []}
     for ctx in args.context:
-        kinds = {name: mean_of(ls) for name, ls in trace(model, ctx, args.steps, model.config.vocab_size).items()}
+        traced = trace(model, ctx, args.steps, model.config.vocab_size, args.compiled)
+        kinds = {name: mean_of(ls) for name, ls in traced.items()}
         report["contexts"].append({"context": ctx, "kernels": kinds})
         for name, k in kinds.items():
             print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first ticket to the last end "
