@@ -116,69 +116,97 @@ LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4,
   LILY_BARRIER();
 }
 
-// Rows [first, end) of the router's logits (an RBITS-bit affine [LS, H] matrix wr, sr, br) against x' staged by
-// lily_stage_row for chunks of CPC codes, into out[r] rounded to T as the router's GEMV rounds them. Warp w of a block
-// of WARPS takes rows first + w * RR, ... (RR at a time, its lanes over their 16-byte chunks).
+// The router's logits (an RBITS-bit affine [LS, H] matrix wr, sr, br) against x' staged by lily_stage_row for
+// chunks of CPC codes, rounded to T as the router's GEMV rounds them. A warp takes RR rows at a time, its lanes over
+// their 16-byte chunks: lily_router_load fetches rows r0.. of them into a lily_router_regs, lily_router_dot reduces
+// them against x' into out[r] (for r < end), so a caller can issue a warp's first loads before it stages x'.
+template <int H, int RBITS, int RGS>
+struct lily_router_shape {
+  static constexpr int RCPC = 128 / RBITS;         // router codes per 16-byte chunk
+  static constexpr int RC = H / RCPC;              // chunks per router row
+  static constexpr int RNG = H / RGS;
+  static constexpr int RCL = (RC + 31) / 32;       // chunks per lane of a router row
+  static constexpr int RR = RCL >= 4 ? 1 : 4 / RCL;  // router rows in flight per warp
+};
+template <int H, int RBITS, int RGS>
+struct lily_router_regs {
+  typedef lily_router_shape<H, RBITS, RGS> S;
+  uint4 q[S::RR][S::RCL];
+  float s[S::RR][S::RCL], b[S::RR][S::RCL];
+};
+
+template <int H, int RBITS, int RGS, int LS, typename TW, typename TS>
+LILY_INLINE void lily_router_load(TW wr, TS sr, TS br, int r0, int lane,
+                                  LILY_THREAD lily_router_regs<H, RBITS, RGS>& g) {
+  typedef lily_router_shape<H, RBITS, RGS> S;
+  constexpr float RQSCALE = static_cast<float>(1 << RBITS);
+  static_assert(RBITS == 4 || RBITS == 8, "router: RBITS must be 4 or 8");
+  static_assert(H % RGS == 0 && RGS % S::RCPC == 0, "router: a chunk must lie inside one group");
+  LILY_UNROLL
+  for (int i = 0; i < S::RR; ++i) {
+    const int r = lily_min(r0 + i, LS - 1);
+    LILY_UNROLL
+    for (int j = 0; j < S::RCL; ++j) {
+      const int kc = j * 32 + lane;
+      if (kc < S::RC) {
+        const int grp = r * S::RNG + (kc * S::RCPC) / RGS;
+        const float sc = lily_float(sr[grp]);
+        g.q[i][j] = LILY_LDG_U4(wr, r * S::RC + kc);
+        g.s[i][j] = RQSCALE * sc;
+        g.b[i][j] = lily_float(br[grp]) - RQSCALE * sc;
+      }
+    }
+  }
+}
+
+template <typename T, int H, int CPC, int RBITS, int RGS, typename TO>
+LILY_INLINE void lily_router_dot(LILY_TG_PTR const float4* xs4, LILY_THREAD const lily_router_regs<H, RBITS, RGS>& g,
+                                 int r0, int end, TO out, int lane) {
+  typedef lily_router_shape<H, RBITS, RGS> S;
+  constexpr int F4C = CPC / 4;
+  constexpr int RF4 = S::RCPC / 4;  // float4s of x' per router chunk
+  float racc[S::RR];
+  LILY_UNROLL
+  for (int i = 0; i < S::RR; ++i) racc[i] = 0.0f;
+  LILY_UNROLL
+  for (int j = 0; j < S::RCL; ++j) {
+    const int kc = j * 32 + lane;
+    if (kc < S::RC) {
+      float xr[S::RCPC];
+      float xs = 0.0f;
+      LILY_UNROLL
+      for (int t = 0; t < RF4; ++t) {
+        const int e4 = kc * RF4 + t;  // float4 index into x'
+        const int cl = e4 / F4C;
+        const float4 v = xs4[cl * F4C + ((e4 - cl * F4C) ^ lily_swizzle<F4C>(cl))];
+        xr[4 * t] = v.x;
+        xr[4 * t + 1] = v.y;
+        xr[4 * t + 2] = v.z;
+        xr[4 * t + 3] = v.w;
+        xs += (v.x + v.y) + (v.z + v.w);
+      }
+      LILY_UNROLL
+      for (int i = 0; i < S::RR; ++i)
+        racc[i] = LILY_FMA(g.s[i][j], lily_qdot16<RBITS>(g.q[i][j], xr), LILY_FMA(g.b[i][j], xs, racc[i]));
+    }
+  }
+  LILY_UNROLL
+  for (int i = 0; i < S::RR; ++i) {
+    const float v = lily_warp_sum(racc[i]);
+    if (lane == 0 && r0 + i < end) out[r0 + i] = lily_cast<T>(v);
+  }
+}
+
+// Rows [first, end) of the router's logits into out, x' staged; warp w of a block of WARPS takes rows first + w * RR,
+// then every WARPS * RR rows on.
 template <typename T, int H, int CPC, int RBITS, int RGS, int LS, int WARPS, typename TW, typename TS, typename TO>
 LILY_INLINE void lily_router_rows(TW wr, TS sr, TS br, LILY_TG_PTR const float4* xs4, int first, int end, TO out,
                                   int warp, int lane) {
-  constexpr int F4C = CPC / 4;
-  constexpr int RCPC = 128 / RBITS;  // router codes per 16-byte chunk
-  constexpr int RC = H / RCPC;       // chunks per router row
-  constexpr int RNG = H / RGS;
-  constexpr int RF4 = RCPC / 4;      // float4s of x' per router chunk
-  constexpr int RCL = (RC + 31) / 32;  // chunks per lane of a router row
-  constexpr int RR = RCL >= 4 ? 1 : 4 / RCL;  // router rows in flight per warp
-  constexpr float RQSCALE = static_cast<float>(1 << RBITS);
-  static_assert(RBITS == 4 || RBITS == 8, "router: RBITS must be 4 or 8");
-  static_assert(H % RGS == 0 && RGS % RCPC == 0, "router: a chunk must lie inside one group");
+  constexpr int RR = lily_router_shape<H, RBITS, RGS>::RR;
   for (int r0 = first + warp * RR; r0 < end; r0 += WARPS * RR) {
-    uint4 rq[RR][RCL];
-    float rs[RR][RCL], rbias[RR][RCL];
-    LILY_UNROLL
-    for (int i = 0; i < RR; ++i) {
-      const int r = lily_min(r0 + i, LS - 1);
-      LILY_UNROLL
-      for (int j = 0; j < RCL; ++j) {
-        const int kc = j * 32 + lane;
-        if (kc < RC) {
-          const int g = r * RNG + (kc * RCPC) / RGS;
-          const float sc = lily_float(sr[g]);
-          rq[i][j] = LILY_LDG_U4(wr, r * RC + kc);
-          rs[i][j] = RQSCALE * sc;
-          rbias[i][j] = lily_float(br[g]) - RQSCALE * sc;
-        }
-      }
-    }
-    float racc[RR];
-    LILY_UNROLL
-    for (int i = 0; i < RR; ++i) racc[i] = 0.0f;
-    LILY_UNROLL
-    for (int j = 0; j < RCL; ++j) {
-      const int kc = j * 32 + lane;
-      if (kc < RC) {
-        float xr[RCPC];
-        float xs = 0.0f;
-        LILY_UNROLL
-        for (int t = 0; t < RF4; ++t) {
-          const int e4 = kc * RF4 + t;  // float4 index into x'
-          const int cl = e4 / F4C;
-          const float4 v = xs4[cl * F4C + ((e4 - cl * F4C) ^ lily_swizzle<F4C>(cl))];
-          xr[4 * t] = v.x;
-          xr[4 * t + 1] = v.y;
-          xr[4 * t + 2] = v.z;
-          xr[4 * t + 3] = v.w;
-          xs += (v.x + v.y) + (v.z + v.w);
-        }
-        LILY_UNROLL
-        for (int i = 0; i < RR; ++i) racc[i] = LILY_FMA(rs[i][j], lily_qdot16<RBITS>(rq[i][j], xr), LILY_FMA(rbias[i][j], xs, racc[i]));
-      }
-    }
-    LILY_UNROLL
-    for (int i = 0; i < RR; ++i) {
-      const float v = lily_warp_sum(racc[i]);
-      if (lane == 0 && r0 + i < end) out[r0 + i] = lily_cast<T>(v);
-    }
+    lily_router_regs<H, RBITS, RGS> g;
+    lily_router_load<H, RBITS, RGS, LS>(wr, sr, br, r0, lane, g);
+    lily_router_dot<T, H, CPC, RBITS, RGS>(xs4, g, r0, end, out, lane);
   }
 }
 

@@ -86,6 +86,8 @@ def test_kernels_carry_only_the_helpers_they_call():
     assert hdr.index("lily_normed(") < hdr.index("lily_norm_rope(")  # file order: used before use
     names = {n for names, _ in kernels._common_helpers() for n in names}
     assert {"lily_qdot16", "lily_topk", "lily_row_rsqrt_ms", "lily_sigmoid", "lily_neg_inf"} <= names
+    hdr = kernels.common_header("lily_router_rows<T, 64, 32, 8, 64, 9, 4>(wr, sr, br, xs4, 0, 9, out, w, l);")
+    assert hdr.index("struct lily_router_regs") < hdr.index("lily_router_load(") < hdr.index("lily_router_rows(")
     everything = len(kernels.header("metal", " ".join(sorted(names) + ["lily_mma", "lily_df_"])))
     for name in SPEC_NAMES:
         spec = kernels.SPECS[name]

@@ -404,7 +404,7 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend {backend!r} has no custom kernels; expected one of {BACKENDS}")
 
 
-_DEFINES = re.compile(r"LILY_INLINE[^(;{]*?\b(lily_\w+)\(|^#define (LILY_\w+)", re.M)
+_DEFINES = re.compile(r"LILY_INLINE[^(;{]*?\b(lily_\w+)\(|^#define (LILY_\w+)|^struct (lily_\w+)", re.M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,7 +413,7 @@ def _common_helpers() -> tuple[tuple[tuple[str, ...], str], ...]:
     path = kernel_dir() / "prelude_common.h"
     blocks = []
     for raw in re.split(r"\n\s*\n", path.read_text()):
-        names = tuple(f or m for f, m in _DEFINES.findall(raw))
+        names = tuple(f or m or t for f, m, t in _DEFINES.findall(raw))
         if names:
             blocks.append((names, compact(raw)))
     return tuple(blocks)
