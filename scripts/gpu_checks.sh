@@ -93,10 +93,11 @@ echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# Where inside a chain: each block's SM, phase, ticket, wait and end by %globaltimer (bench/chain_trace.py).
-step 60 150 "inside every chain: blocks' tickets, waits and ends" env LILY_MLX_ENABLE="$chains" \
+# Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
+# (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
+step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
   LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
-  --json "$res/chain_trace.json"
+  --compiled --json "$res/chain_trace.json"
 # Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
 # chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
 for sleep in 0 1024; do
