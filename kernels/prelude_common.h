@@ -313,31 +313,61 @@ LILY_INLINE void lily_warp_argmax(LILY_THREAD float& v, LILY_THREAD I& i) {
 // answer): ids[j] in descending logit order, ties to the lower id; weights[j] the softmax
 // probabilities, renormalised over the K chosen when NORMTOPK (exp(l_j - l_0) / sum_K), else over
 // all E. A row with fewer than K comparable logits (NaN) yields id E for the missing ones.
+// 16-bit logits pick by one warp max of packed keys: as float32 a 16-bit float leaves its low 13 bits zero, so its
+// bits made monotonic (sign flipped, or all flipped if negative) hold 8191 - id there; -inf and NaN key 0 (never
+// picked) and -0 keys as +0, so the picks equal the float comparisons'. 32-bit logits compare (value, id) pairs.
 template <int E, int K, bool NORMTOPK, typename TL>
 LILY_INLINE void lily_topk(TL row, int lane, LILY_THREAD int* ids, LILY_THREAD float* weights) {
   constexpr int PL = (E + 31) / 32;  // logits per lane: lane holds ids lane, lane + 32, ...
+  constexpr uint32_t IDS = 0x1FFFu;
   float v[PL];
   LILY_UNROLL
   for (int i = 0; i < PL; ++i) v[i] = i * 32 + lane < E ? lily_float(row[i * 32 + lane]) : lily_neg_inf();
   float top = lily_neg_inf();
-  LILY_UNROLL
-  for (int j = 0; j < K; ++j) {
-    float bv = lily_neg_inf();
-    int bi = E;
+  if (sizeof(row[0]) == 2) {
+    static_assert(E < IDS, "lily_topk: E must fit the packed keys' 13 bits");
+    uint32_t key[PL];
     LILY_UNROLL
     for (int i = 0; i < PL; ++i) {
-      if (v[i] > bv) {  // strict: the lowest id of equal logits in this lane
-        bv = v[i];
-        bi = i * 32 + lane;
-      }
+      const uint32_t u = v[i] == 0.0f ? 0u : LILY_AS_UINT(v[i]);
+      const uint32_t ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+      key[i] = v[i] > lily_neg_inf() ? ((ord & ~IDS) | (IDS - static_cast<uint32_t>(i * 32 + lane))) : 0u;
     }
-    lily_warp_argmax(bv, bi);
-    if (j == 0) top = bv;
-    ids[j] = bi;
-    weights[j] = bv;
     LILY_UNROLL
-    for (int i = 0; i < PL; ++i) {
-      if (i * 32 + lane == bi) v[i] = lily_neg_inf();
+    for (int j = 0; j < K; ++j) {
+      uint32_t best = 0u;
+      LILY_UNROLL
+      for (int i = 0; i < PL; ++i) best = key[i] > best ? key[i] : best;
+      best = lily_warp_max_u32(best);
+      const uint32_t ord = best & ~IDS;
+      const float bv = best == 0u ? lily_neg_inf()
+                                  : LILY_AS_FLOAT((ord & 0x80000000u) ? (ord & 0x7FFFFFFFu) : (~ord & ~IDS));
+      if (j == 0) top = bv;
+      ids[j] = best == 0u ? E : static_cast<int>(IDS - (best & IDS));
+      weights[j] = bv;
+      LILY_UNROLL
+      for (int i = 0; i < PL; ++i) key[i] = key[i] == best ? 0u : key[i];
+    }
+  } else {
+    LILY_UNROLL
+    for (int j = 0; j < K; ++j) {
+      float bv = lily_neg_inf();
+      int bi = E;
+      LILY_UNROLL
+      for (int i = 0; i < PL; ++i) {
+        if (v[i] > bv) {  // strict: the lowest id of equal logits in this lane
+          bv = v[i];
+          bi = i * 32 + lane;
+        }
+      }
+      lily_warp_argmax(bv, bi);
+      if (j == 0) top = bv;
+      ids[j] = bi;
+      weights[j] = bv;
+      LILY_UNROLL
+      for (int i = 0; i < PL; ++i) {
+        if (i * 32 + lane == bi) v[i] = lily_neg_inf();
+      }
     }
   }
   float denom = 0.0f;

@@ -20,6 +20,7 @@
 #define LILY_U4(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define LILY_AS_FLOAT(u) __uint_as_float(u)
+#define LILY_AS_UINT(f) __float_as_uint(f)
 
 // The float (mant's bits of u) | 1.0f's bits: a code at the top of the mantissa as 1 + q / 2^BITS (lily_qdot16). As
 // C++ ptxas spends two LOP3s on it, its two constants not fitting one instruction; with 1.0f's bits in a register one
@@ -51,6 +52,20 @@ LILY_INLINE float lily_warp_sum(float v) {
   LILY_UNROLL
   for (int off = 16; off > 0; off >>= 1) v += lily_shfl_xor(v, off);
   return v;
+}
+
+// The largest v over the warp's 32 lanes, on every lane: one redux.sync from sm_80 on.
+LILY_INLINE uint32_t lily_warp_max_u32(uint32_t v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  LILY_UNROLL
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+#endif
 }
 
 LILY_INLINE float lily_float(float v) { return v; }

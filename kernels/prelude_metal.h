@@ -22,6 +22,7 @@
 #define LILY_U4(a, b, c, d) uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) float4((a), (b), (c), (d))
 #define LILY_AS_FLOAT(u) as_type<float>(u)
+#define LILY_AS_UINT(f) as_type<uint32_t>(f)
 // The float (MANT's bits of u) | 1.0f's bits (lily_qdot16; see prelude_cuda.h).
 template <uint32_t MANT>
 LILY_INLINE float lily_code_float(uint32_t u) { return as_type<float>(0x3F800000u | (u & MANT)); }
@@ -34,6 +35,7 @@ LILY_INLINE float lily_shfl(float v, int lane) { return simd_shuffle(v, static_c
 LILY_INLINE uint32_t lily_shfl(uint32_t v, int lane) { return simd_shuffle(v, static_cast<ushort>(lane)); }
 
 LILY_INLINE float lily_warp_sum(float v) { return simd_sum(v); }
+LILY_INLINE uint32_t lily_warp_max_u32(uint32_t v) { return simd_max(v); }
 
 LILY_INLINE float lily_float(float v) { return v; }
 LILY_INLINE float lily_float(half v) { return static_cast<float>(v); }

@@ -105,3 +105,40 @@ def test_model_prefill_with_moe_route_cuda():
 @pytest.mark.metal
 def test_model_prefill_with_moe_route_metal():
     _model_prefill_on_vs_off()
+
+
+def _topk_oracle(row: np.ndarray, k: int, experts: int) -> list[int]:
+    """lily_topk's rule: descending logit, ties (-0 with +0 too) to the lower id, NaN and -inf never chosen, id E
+    for each missing pick."""
+    valid = [i for i in range(experts) if row[i] > -np.inf]
+    return (sorted(valid, key=lambda i: (-row[i], i)) + [experts] * k)[:k]
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_topk_ties_signed_zeros_and_nonfinite_emulated(tmp_path, dtype):
+    """The picks where they are easy to get wrong: 16-bit logits take packed keys (value bits | 8191 - id) and one
+    warp max a pick, float32 ones (value, id) comparisons; both must give the oracle's ids, in its order."""
+    E, columns, k = 40, 41, 8
+    rows = np.full((6, columns), -1.0, dtype=np.float32)
+    rows[0] = 0.5                                   # every logit tied
+    rows[1, [3, 7, 20, 33, 39]] = [-0.0, 0.0, -0.0, 0.0, -0.0]  # the top five tie at zero, signs mixed
+    rows[2, ::3] = np.nan
+    rows[2, 1::3] = -np.inf
+    rows[2, [2, 35, 38]] = [2.0, 3.0, 2.0]          # NaN and -inf never picked
+    rows[3] = -np.inf
+    rows[3, [5, 36]] = [-7.5, -7.5]                 # two to pick: the other six are id E
+    rows[4] = -np.arange(columns, dtype=np.float32) // 3  # negative, tied in threes
+    rows[5] = np.linspace(-3.0, 3.0, columns)[::-1]  # distinct, descending by id
+    logits = mx.array(rows).astype(dtype)
+    emu = Emulator(tmp_path)
+    emu.add(mr.SPEC, mr.instance(dtype, rows.shape[0], E, k, columns, True), [logits],
+            (32 * mr.WARPS, 1, 1), (32 * mr.WARPS, 1, 1), [(rows.shape[0], k)] * 2)
+    ids, weights = (np.array(a) for a in emu.run()[0])
+    cast = np.array(logits.astype(F32))
+    for t in range(rows.shape[0]):
+        want = _topk_oracle(cast[t], k, E)
+        assert ids[t].tolist() == want, f"row {t}: {ids[t].tolist()} != {want}"
+        chosen = [cast[t, i] if i < E else -np.inf for i in want]
+        w = np.exp(np.array(chosen, dtype=np.float64) - chosen[0])
+        np.testing.assert_allclose(weights[t], w / w.sum(), rtol=1e-6, atol=1e-7)
