@@ -8,8 +8,11 @@ goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the bl
         python -m bench.chain_trace --model PATH --context 64 4096 [--compiled]
 
 The steps run eagerly (every launch has counters of its own to read back), or with --compiled through the compiled
-decoder as generate runs them (each launch site's counters a constant of the trace, read after each step; only there
-bundled_weights applies). Eager steps measured ~1.5x the compiled launches' times on the H100 (run 41). Needs MLX's
+decoder as generate runs them (each launch site's counters a constant of the trace, read after each step through a
+copy made on the GPU; only there bundled_weights applies). Counters the host last touched stall a launch's first
+tickets: in run 43 (H200, compiled steps read back directly) every block started in the first ~0.1 us got its ticket
+17.4 us later, by all appearances their page of managed memory moving back to the GPU. An eager launch's counters are
+new, written by the host, so eager phases carry that stall (run 41's ~1.5x over the compiled timeline). Needs MLX's
 CUDA backend.
 """
 
@@ -101,7 +104,9 @@ def trace(model, context: int, steps: int, vocab: int, compiled: bool = False) -
             for name, sync, n in launches.values():
                 if n > blocks:
                     raise SystemExit(f"chain_trace: {name} launches {n} blocks, past LILY_CHAIN_TRACE={blocks}")
-                rec = np.array(sync)[kernels.SYNC_SLOTS:].reshape(-1, kernels.TRACE_FIELDS)[:n]
+                # A copy made on the GPU: reading the counters themselves would move their page to the host, and the
+                # next launch's first ticket waits ~17 us for it to come back (H200, run 43).
+                rec = np.array(sync + 0)[kernels.SYNC_SLOTS:].reshape(-1, kernels.TRACE_FIELDS)[:n]
                 if rec[:, 5].any() and last.get(id(sync)) != rec.tobytes():  # ran in this step
                     by_kernel[name].append(phases(rec))
                 last[id(sync)] = rec.tobytes()

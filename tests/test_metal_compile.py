@@ -450,3 +450,14 @@ def test_decode_step_launches_are_traced_with_their_grids():
         assert f"void custom_kernel_{name}" in source, name
     chained = [n for n, *_ in tool.decode_step_launches(("moe_chain", "deltanet_chain_out", "attn_chain"), 64, NARROW)]
     assert chained.count("moe_chain") == 4 and chained.count("deltanet_chain_out") == 3 and "attn_chain" in chained
+
+
+def test_chain_hooks_reach_the_bodies_they_include():
+    """A chain's hook (a LILY_ macro with a body, such as LILY_GATE_UP_AFTER_LOADS) is kept in the expanded source
+    and counts as defined for the #ifdef that calls it in the included body: before, kernels.expand dropped those
+    blocks, so chain_prefetch's L2 hints and chain_trace's marks never ran."""
+    for name, calls in (("moe_chain", 1), ("deltanet_chain_out", 2), ("attn_chain", 3)):
+        body = kernels.body(kernels.SPECS[name], "cuda")
+        assert body.count("lily_prefetch_") >= calls and body.count("_AFTER_LOADS") == 3, name
+    plain = kernels.body(kernels.SPECS["qmv"], "cuda")
+    assert "AFTER_LOADS" not in plain and "lily_prefetch" not in plain

@@ -486,21 +486,25 @@ def select_blocks(text: str, defines: Sequence[str]) -> str:
 
 _INCLUDE = re.compile(r'^#include "(\w+\.inc)"$')
 _SCOPED = re.compile(r"^#(define|undef) (LILY_\w+)$")
+_MACRO = re.compile(r"^#(?:define (LILY_\w+)\s+\S|undef (LILY_\w+)$)")
 
 
 def expand(filename: str, defines: Sequence[str]) -> str:
     """A body file with its blocks selected for `defines` and each `#include "other.inc"` line replaced by that
     body, expanded the same way (a chained kernel runs other kernels' bodies as its phases, unchanged). A body's
     bare `#define LILY_X` line, up to its `#undef LILY_X`, adds X to the defines of the bodies it includes
-    (attn_chain.inc includes qmv.inc twice, the second time as qmv_attn); those two lines are not kept."""
-    out, scoped = [], []
+    (attn_chain.inc includes qmv.inc twice, the second time as qmv_attn); those two lines are not kept. A macro with
+    a body (a chain's hook, such as LILY_QMV_AFTER_LOADS) is kept, and defined for the included bodies' #ifdef too."""
+    out, scoped, macros = [], [], []
     for line in select_blocks(read_source(filename), defines).splitlines():
         m = _SCOPED.match(line)
         if m and (m.group(1) == "define" or m.group(2) in scoped):
             scoped = [d for d in scoped if d != m.group(2)] + ([m.group(2)] if m.group(1) == "define" else [])
         elif m := _INCLUDE.match(line):
-            out.append(expand(m.group(1), (*defines, *scoped)).rstrip("\n"))
+            out.append(expand(m.group(1), (*defines, *scoped, *macros)).rstrip("\n"))
         else:
+            if m := _MACRO.match(line):
+                macros = [d for d in macros if d != (m.group(1) or m.group(2))] + ([m.group(1)] if m.group(1) else [])
             out.append(line)
     return "\n".join(out) + "\n"
 
