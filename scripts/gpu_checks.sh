@@ -98,6 +98,16 @@ step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" py
 step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
   LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
   --compiled --json "$res/chain_trace.json"
+# chain_prefetch's L2 hints, issued for the first time since kernels.expand keeps the chains' hooks (twenty-first
+# session; the nineteenth's A/B timed kernels without them): every chain with and without them, and their cuda tests.
+step 60 120 "cuda tests of the chains' prefetch" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider -k prefetch \
+  tests/test_moe_chain.py tests/test_deltanet_chain.py tests/test_attn_chain.py
+step 60 120 "every chain on the GPU's timeline, chain_prefetch on" env LILY_MLX_ENABLE="$chains,chain_prefetch" \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_prefetch.json"
+# Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults and every chain.
+step 100 240 "A/B against stock at 256 and 4096 (defaults, every chain)" python3 -m bench.ab --model "$model" \
+  -p 256 4096 -g 64 -n 2 --arms "stock,lily,lily-with-${chains//,/+}" --no-progress --json "$res/ab_decode.json" \
+  --markdown "$res/ab_decode.md"
 # Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
 # chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
 for sleep in 0 1024; do
@@ -107,20 +117,6 @@ for sleep in 0 1024; do
 done
 step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
   --json "$res/timeline.json"
-# lily_qdot16's code-to-float in one LOP3, not two (an instruction fewer a 4-bit weight: a 35B qmv's SASS 1536 ->
-# 1280 instructions, moe_down_combine's 2312 -> 2024; the same bits by construction): first the cuda tests of the
-# kernels that decode codes with the define, then the step's kernels on the timeline.
-step 60 150 "cuda tests of qmv and the MoE kernels, LILY_CODE_LOP3=1" env LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 \
-  python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider tests/test_qmv.py tests/test_moe_kernels.py tests/test_moe_chain.py
-step 60 120 "decode step on the GPU's timeline, LILY_CODE_LOP3=1" env LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_lop3.json"
-step 60 120 "every chain on the GPU's timeline, LILY_CODE_LOP3=1" env LILY_MLX_ENABLE="$chains" \
-  LILY_MLX_KERNEL_DEFINES=LILY_CODE_LOP3=1 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
-  --json "$res/timeline_chains_lop3.json"
-# moe_gate_up's 288 blocks of 8 warps take two waves on 132 SMs (2 an SM at 89 registers), the second 9% full; in
-# 4-warp blocks 576 fit in one (5 an SM: scripts/cuda_registers.py --decode-step). moe_chain's block follows it.
-step 60 120 "decode step on the GPU's timeline, moe_gate_up in 4-warp blocks" env LILY_MLX_PLAN=moe_gate_up.WARPS=4 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_gate_up_w4.json"
 # Why attn_decode takes ~20 us a layer at context 64 for a few positions a block (34-66 blocks), and where
 # moe_gate_up, moe_down_combine and deltanet_step (32 blocks: 12% of the SMs) stall: ncu's warp states, occupancy
 # and memory sections, one decode step's 12 launches of them (4 layers), clocks and caches as they run.
@@ -135,9 +131,6 @@ $res/ncu_stalls_64.txt | head -150"
 # ~0.3 us a KB); cuda_source_files hashes 0.2 MB, yet measured 0.3-0.4 ms slower in runs 3 and 24 (H200, unexplained).
 step 60 110 "decode step, cuda_source_files on vs off (defaults)" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
-step 60 120 "every chain on the GPU's timeline, moe_chain in 4-warp blocks" env LILY_MLX_ENABLE="$chains" \
-  LILY_MLX_PLAN=moe_gate_up.WARPS=4 python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
-  --json "$res/timeline_chains_w4.json"
 # MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
 # kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
 # one cache folder (the second finds MLX's own kernels, and with it on ours, built).
