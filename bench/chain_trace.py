@@ -2,7 +2,7 @@
 the phase before, passed its mark (the x row staged, or its weight loads issued) and ended, by the GPU's
 %globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
 The timeline (run 38) has every chain slower than the kernels it replaces; this shows where inside it the time
-goes: the tickets' ramp, the wake-up after each phase, a phase's tail, or the blocks' own work.
+goes: the tickets' ramp and latency, the wake-up after each phase, a phase's tail, or the blocks' own work.
 
     LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \\
         python -m bench.chain_trace --model PATH --context 64 4096 [--compiled]
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         kinds = {name: mean_of(ls) for name, ls in traced.items()}
         report["contexts"].append({"context": ctx, "kernels": kinds})
         for name, k in kinds.items():
-            print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first ticket to the last end "
+            print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first block's start to the last end "
                   f"({k['launches']} launches)")
             for p in k["phases"]:
                 wake = f", woke {p['wake_us']:.2f} us after the phase before" if "wake_us" in p else ""
