@@ -46,14 +46,20 @@ def _check(got, logits, top_k, normalize, experts):
         assert np.all(np.diff(row[ids[t]]) < 0), f"token {t}: not in descending logit order"
 
 
+def _emulate(emu, logits, E, k, norm):
+    """Adds moe_route's launch over logits [tokens, columns] (a warp a token) to the emulator's run."""
+    tokens, columns = logits.shape
+    blocks = -(-tokens // mr.WARPS)
+    return emu.add(mr.SPEC, mr.instance(logits.dtype, tokens, E, k, columns, norm), [logits],
+                   (blocks * 32 * mr.WARPS, 1, 1), (32 * mr.WARPS, 1, 1), [(tokens, k)] * 2)
+
+
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_moe_route_metal_emulated_matches_reference(tmp_path):
     emu, wants = Emulator(tmp_path), []
     for i, (tokens, E, columns, k, norm, dtype) in enumerate(CASES):
         logits = _logits(tokens, columns, dtype, i)
-        inst = mr.instance(dtype, tokens, E, k, columns, norm)
-        blocks = -(-tokens // mr.WARPS)
-        emu.add(mr.SPEC, inst, [logits], (blocks * 32 * mr.WARPS, 1, 1), (32 * mr.WARPS, 1, 1), [(tokens, k)] * 2)
+        _emulate(emu, logits, E, k, norm)
         wants.append((logits, k, norm, E))
     for (logits, k, norm, E), got in zip(wants, emu.run()):
         _check(got, logits, k, norm, E)
@@ -132,8 +138,7 @@ def test_topk_ties_signed_zeros_and_nonfinite_emulated(tmp_path, dtype):
     rows[5] = np.linspace(-3.0, 3.0, columns)[::-1]  # distinct, descending by id
     logits = mx.array(rows).astype(dtype)
     emu = Emulator(tmp_path)
-    emu.add(mr.SPEC, mr.instance(dtype, rows.shape[0], E, k, columns, True), [logits],
-            (32 * mr.WARPS, 1, 1), (32 * mr.WARPS, 1, 1), [(rows.shape[0], k)] * 2)
+    _emulate(emu, logits, E, k, True)
     ids, weights = (np.array(a) for a in emu.run()[0])
     cast = np.array(logits.astype(F32))
     for t in range(rows.shape[0]):
