@@ -45,36 +45,60 @@ LILY_INLINE void lily_prefetch_weight_part(TW w, TS s, TS b, int64_t rows, int64
 template <int F4C>
 LILY_INLINE int lily_swizzle(int chunk) { return F4C >= 8 ? (chunk & 7) : ((chunk >> 1) & 3); }
 
+// rinv[m] = rsqrt(ss[m] / K + eps) in every thread of a block of WARPS warps, ss[m] being each thread's share of row
+// m's sum of squares; red is shared scratch of M * WARPS floats, free again after the caller's next barrier.
+template <int M, int K, int WARPS>
+LILY_INLINE void lily_rsqrt_of_sums(LILY_THREAD float* ss, float eps, LILY_TG_PTR float* red, LILY_THREAD float* rinv,
+                                    int tid) {
+  LILY_UNROLL
+  for (int m = 0; m < M; ++m) {
+    const float s = lily_warp_sum(ss[m]);
+    if ((tid & 31) == 0) red[m * WARPS + (tid >> 5)] = s;
+  }
+  LILY_BARRIER();
+  LILY_UNROLL
+  for (int m = 0; m < M; ++m) {
+    float s = 0.0f;
+    for (int w = 0; w < WARPS; ++w) s += red[m * WARPS + w];
+    rinv[m] = lily_rsqrt(s / static_cast<float>(K) + eps);
+  }
+}
+
 // rinv[m] = rsqrt(mean(x[m, :K]^2) + eps) for the first mrows <= M rows of x (rows past them read nothing),
 // every thread of a block of WARPS warps taking part; red is shared scratch of M * WARPS floats. Ends with
 // a barrier (red may be reused after).
 template <int M, int K, int WARPS, typename TX>
 LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float* red, LILY_THREAD float* rinv,
                                    int tid) {
+  float ss[M];
   LILY_UNROLL
   for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
+    ss[m] = 0.0f;
     for (int k = tid; m < mrows && k < K; k += 32 * WARPS) {
       const float v = lily_float(x[m * K + k]);
-      ss = LILY_FMA(v, v, ss);
+      ss[m] = LILY_FMA(v, v, ss[m]);
     }
-    ss = lily_warp_sum(ss);
-    if ((tid & 31) == 0) red[m * WARPS + (tid >> 5)] = ss;
   }
+  lily_rsqrt_of_sums<M, K, WARPS>(ss, eps, red, rinv, tid);
   LILY_BARRIER();
-  LILY_UNROLL
-  for (int m = 0; m < M; ++m) {
-    float ss = 0.0f;
-    for (int w = 0; w < WARPS; ++w) ss += red[m * WARPS + w];
-    rinv[m] = lily_rsqrt(ss / static_cast<float>(K) + eps);
-  }
-  LILY_BARRIER();
+}
+
+// A float4's sum of squares, in the order every staging that normalises takes it.
+LILY_INLINE float lily_sum_sq4(float4 v) {
+  return LILY_FMA(v.w, v.w, LILY_FMA(v.z, v.z, LILY_FMA(v.y, v.y, v.x * v.x)));
 }
 
 // One element of mx.fast.rms_norm's output, as it rounds: T(w * T(x * rinv)), returned as float.
 template <typename T, typename TW>
 LILY_INLINE float lily_normed(float x, float rinv, TW w) {
   return lily_float(lily_cast<T>(lily_float(w) * lily_float(lily_cast<T>(x * rinv))));
+}
+
+// v RMS-normalised by rinv and the norm weights w, as lily_normed rounds each element.
+template <typename T>
+LILY_INLINE float4 lily_normed4(float4 v, float rinv, float4 w) {
+  return LILY_F4(lily_normed<T>(v.x, rinv, w.x), lily_normed<T>(v.y, rinv, w.y), lily_normed<T>(v.z, rinv, w.z),
+                 lily_normed<T>(v.w, rinv, w.w));
 }
 
 // One token's row x [H] (with NORM, RMS-normalised by nw as mx.fast.rms_norm rounds it) staged as floats for
@@ -87,29 +111,38 @@ LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4,
   constexpr int C = H / CPC;
   constexpr int NTHREADS = 32 * WARPS;
   constexpr int STAGE_ITERS = (C * F4C + NTHREADS - 1) / NTHREADS;
-  float rinv[1];
-  if (NORM) lily_row_rsqrt_ms<1, H, WARPS>(x, 1, eps, red, rinv, tid);
+  // x (and nw) read once into registers, the norm's sum of squares taken from them: one trip to memory, not two.
+  float4 v[STAGE_ITERS];
+  float4 wv[STAGE_ITERS];
+  float ss[1] = {0.0f};
   LILY_UNROLL
   for (int it = 0; it < STAGE_ITERS; ++it) {
     const int e = it * NTHREADS + tid;  // float4 index into the row
+    v[it] = wv[it] = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (e < C * F4C) {
+      v[it] = LILY_F4(lily_float(x[e * 4]), lily_float(x[e * 4 + 1]), lily_float(x[e * 4 + 2]),
+                      lily_float(x[e * 4 + 3]));
+      if (NORM) {
+        wv[it] = LILY_F4(lily_float(nw[e * 4]), lily_float(nw[e * 4 + 1]), lily_float(nw[e * 4 + 2]),
+                         lily_float(nw[e * 4 + 3]));
+        ss[0] += lily_sum_sq4(v[it]);
+      }
+    }
+  }
+  float rinv[1] = {0.0f};
+  if (NORM) lily_rsqrt_of_sums<1, H, WARPS>(ss, eps, red, rinv, tid);
+  LILY_UNROLL
+  for (int it = 0; it < STAGE_ITERS; ++it) {
+    const int e = it * NTHREADS + tid;
     const int cl = e / F4C;
     const int f = e - cl * F4C;
     const bool ok = cl < C;
-    float4 v = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (ok) {
-      v = LILY_F4(lily_float(x[e * 4]), lily_float(x[e * 4 + 1]), lily_float(x[e * 4 + 2]), lily_float(x[e * 4 + 3]));
-      if (NORM) {
-        v.x = lily_normed<T>(v.x, rinv[0], nw[e * 4]);
-        v.y = lily_normed<T>(v.y, rinv[0], nw[e * 4 + 1]);
-        v.z = lily_normed<T>(v.z, rinv[0], nw[e * 4 + 2]);
-        v.w = lily_normed<T>(v.w, rinv[0], nw[e * 4 + 3]);
-      }
-    }
-    float part = (v.x + v.y) + (v.z + v.w);
+    const float4 u = NORM && ok ? lily_normed4<T>(v[it], rinv[0], wv[it]) : v[it];
+    float part = (u.x + u.y) + (u.z + u.w);
     LILY_UNROLL
     for (int off = 1; off < F4C; off <<= 1) part += lily_shfl_xor(part, off);  // the chunk's sum
     if (ok) {
-      xs4[cl * F4C + (f ^ lily_swizzle<F4C>(cl))] = v;
+      xs4[cl * F4C + (f ^ lily_swizzle<F4C>(cl))] = u;
       if (f == 0) xsum[cl] = part;
     }
   }

@@ -1,8 +1,11 @@
-"""Registers, spills and block size of every CUDA kernel instance, through nvcc's ptxas (no GPU needed).
+"""Registers, spills and block size of every CUDA kernel instance, as NVRTC builds them with MLX's options (the
+nvidia wheels' NVRTC, as scripts/prebuild_kernels.py takes it), or through nvcc's ptxas without it (no GPU needed).
+nvcc's numbers can differ: attn_chain took 128 registers a lane there and 168 under NVRTC, as on the H200.
 
 A block whose threads times a lane's registers pass the SM's 64K registers fails at launch with "too many resources
 requested for launch" (H200 run 32); this finds such instances before a GPU does, and the spills a launch bound
-costs. Needs nvcc (CUDA 12+) on PATH or in /usr/local/cuda/bin; takes minutes (about 2 s an instance a core).
+costs. Needs NVRTC or nvcc (CUDA 12+, on PATH or in /usr/local/cuda/bin); takes minutes (about 2 s an instance a
+core).
     python scripts/cuda_registers.py [spec ...] [--where "M == 2 and DV == 128"] [--jobs 2]
 Prints one line an instance; exits 1 when some instance cannot launch.
 
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import lily_mlx.ops  # noqa: E402,F401  registers every spec
-from lily_mlx.ops import kernels, moe_gemm  # noqa: E402
+from lily_mlx.ops import kernel_cache, kernels, moe_gemm  # noqa: E402
 from test_metal_compile import CUDA_UTILS_STANDIN  # noqa: E402
 
 SM_REGISTERS = 64 * 1024
@@ -38,6 +41,7 @@ SM_SHARED = 228 * 1024  # sm_90: per SM, of which a block may have 227 KB
 BLOCK_SHARED_RESERVED = 1024  # the runtime's own shared memory per resident block (sm_80+)
 SM_THREADS = 2048
 SM_BLOCKS = 32
+_nvrtc: Optional[tuple] = None  # (Nvrtc, MLX's options) once nvcc_include found NVRTC
 
 
 def block_threads(spec: kernels.KernelSpec, t: dict) -> int:
@@ -61,6 +65,13 @@ def block_threads(spec: kernels.KernelSpec, t: dict) -> int:
 
 def ptxas(source: str, include: Path) -> tuple[int, int, int]:
     """(registers a lane, spill store bytes, static shared memory bytes) of the one kernel in source."""
+    if _nvrtc is not None:
+        nvrtc, options = _nvrtc
+        kernel = "mlx::core::cu::" + re.search(r"__global__ void (\w+)\(", source).group(1)
+        log: list[str] = []
+        nvrtc.compile(source, "kernel.cu", kernel, options + ["--ptxas-options=-v"],
+                      {kernel_cache.UTILS_NAME: kernel_cache.UTILS_STANDIN}, log)
+        return resources(log[0], "")
     with tempfile.NamedTemporaryFile("w", suffix=".cu", dir=include.parent, delete=False) as f:
         f.write(source)
     try:
@@ -68,10 +79,15 @@ def ptxas(source: str, include: Path) -> tuple[int, int, int]:
                             "-o", os.devnull, "-Xptxas", "-v"], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
-    regs, spill = re.search(r"Used (\d+) registers", r.stderr), re.search(r"(\d+) bytes spill stores", r.stderr)
-    smem = re.search(r"(\d+) bytes smem", r.stderr)
-    if r.returncode or regs is None:
-        raise RuntimeError(r.stderr[-2000:])
+    return resources(r.stderr, r.stderr[-2000:] if r.returncode else "")
+
+
+def resources(log: str, error: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, static shared bytes) from ptxas's -v lines."""
+    regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    smem = re.search(r"(\d+) bytes smem", log)
+    if error or regs is None:
+        raise RuntimeError(error or log[-2000:])
     return int(regs.group(1)), int(spill.group(1)) if spill else 0, int(smem.group(1)) if smem else 0
 
 
@@ -95,21 +111,31 @@ def waves(blocks: int, per_sm: int, sms: int) -> tuple[int, float]:
 
 
 def nvcc_include() -> Path:
-    """A folder of MLX's device header stand-in for ptxas runs (nvcc put on PATH); the caller removes its parent."""
+    """A folder of MLX's device header stand-in for ptxas runs (NVRTC loaded with MLX's options, or else nvcc put on
+    PATH); the caller removes its parent."""
+    global _nvrtc
+    include = Path(tempfile.mkdtemp(prefix="cuda_registers_")) / "include"
+    try:
+        nvrtc = kernel_cache.Nvrtc()
+        _nvrtc = nvrtc, kernel_cache.offline_options(nvrtc, include.parent / "nvrtc")
+        return include
+    except OSError:
+        pass
     if shutil.which("nvcc") is None:
         os.environ["PATH"] = "/usr/local/cuda/bin" + os.pathsep + os.environ["PATH"]
     if shutil.which("nvcc") is None:
-        sys.exit("nvcc not found: install the CUDA toolkit or put it on PATH")
-    include = Path(tempfile.mkdtemp(prefix="cuda_registers_")) / "include"
+        sys.exit("neither NVRTC nor nvcc found: pip install nvidia-cuda-nvrtc (see scripts/prebuild_kernels.py)")
     (include / "mlx/backend/cuda/device").mkdir(parents=True)
     (include / "mlx/backend/cuda/device/utils.cuh").write_text(CUDA_UTILS_STANDIN)
     return include
 
 
-def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None) -> list[tuple]:
+def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None,
+                         sms: int = 132) -> list[tuple]:
     """(kernel, grid blocks, block threads, dynamic shared bytes, full CUDA source) of each launch of one compiled
     decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches`, traced
-    on the CPU as the CUDA path builds it, with a cache of capacity about `context`."""
+    on the CPU as the CUDA path builds it on a GPU of `sms` multiprocessors, with a cache of capacity about
+    `context`."""
     import contextlib
     from unittest import mock
 
@@ -145,6 +171,7 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
             stack.enter_context(ops.switched(n, True))
         stack.enter_context(mock.patch.object(kernels, "launch", standin))
         stack.enter_context(mock.patch.object(ops, "backend", lambda: "cuda"))
+        stack.enter_context(mock.patch.object(kernels, "sm_count", lambda: sms))
         model.fuse_projections()
         cache = model.make_cache()
         model(mx.array([[1]]), cache=cache)
@@ -157,7 +184,7 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
 def decode_step_table(switches: tuple[str, ...], context: int, sms: int, jobs: int) -> list[dict]:
     """One row a distinct launch of decode_step_launches, in step order: its calls in the 4 layers, grid, block,
     registers, shared memory, blocks an SM (and the limit), waves on `sms` SMs and the last wave's share."""
-    launched = decode_step_launches(switches, context)
+    launched = decode_step_launches(switches, context, sms=sms)
     rows: dict[tuple, dict] = {}
     for name, blocks, threads, smem, source in launched:
         key = (name, blocks, threads, smem, source)

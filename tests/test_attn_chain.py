@@ -84,11 +84,11 @@ def _check_chain(case, inputs, got, fold):
     assert err < TOL[case.dtype], f"{case}: h rel err {err:.2e}"
 
 
-def _emulated_launch(case, inputs, fold, prefetch=False):
+def _emulated_launch(case, inputs, fold, prefetch=False, sms=None):
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
     B, L, Hq, Hkv, D, K = case.B, case.tokens, case.Hq, case.Hkv, case.D, x.shape[-1]
     H, obits = o_proj[0].shape[0], o_proj[3]
-    p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold)
+    p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold, sms)
     inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
                        case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p,
                        tokens=L, prefetch=prefetch)
@@ -109,12 +109,15 @@ def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
     whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
-    # The last two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
-    runs = [(c, True, False) for c in CASES] + [(c, False, False) for c in CASES] + [(CASES[0], f, True) for f in (1, 0)]
-    for n, (c, fold, prefetch) in enumerate(runs):
+    # Then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and one planned
+    # for a GPU of 2 SMs (the projection's 288 one-warp blocks fitted to one wave: 9 rows a lane segment, not 1).
+    runs = [(c, True, False, None) for c in CASES] + [(c, False, False, None) for c in CASES]
+    runs += [(CASES[0], f, True, None) for f in (1, 0)] + [(CASES[3], True, False, 2)]
+    for n, (c, fold, prefetch, sms) in enumerate(runs):
         case, K, bits, gs, H, obits = c
         inputs = _inputs(case, K, bits, gs, H, obits, seed=n)
-        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, prefetch)
+        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, prefetch, sms)
+        assert sms is None or dict(inst.template)["RPS"] == 9
         emu.add(spec, inst, args, grid, group, shapes, reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append((case, inputs, fold))
     for (case, inputs, fold), (*got, sync) in zip(checks, emu.run()):
@@ -128,6 +131,9 @@ def test_plan_at_the_35b_shape():
     a 4,096-position one's 256 go through attn_combine's 16 blocks."""
     fold, long = (ac.plan(1, 2048, 16, 2, 256, 4, 2048, 4, f) for f in (True, False))
     assert fold["WARPS"] == 8 and (fold["qkv"]["LANES"], fold["qkv"]["RPS"], fold["qkv"]["blocks"]) == (32, 4, 288)
+    # On 132 SMs of two blocks each (MAX_REGISTERS): 40 rows a block fit the projection in one wave, o_proj unchanged.
+    fitted = ac.plan(1, 2048, 16, 2, 256, 4, 2048, 4, True, 132)
+    assert (fitted["qkv"]["RPS"], fitted["qkv"]["blocks"], fitted["out"]) == (5, 231, fold["out"])
     assert fold["out"]["blocks"] == 128 and long["out"]["blocks"] == 256
     assert ad.splits(1, 2, 256) == 17 <= ad.FOLD_MAX_SPLITS < ad.splits(1, 2, 4096) == 256
     assert ac.blocks(fold, 1, 16, 2, 17, True) == 288 + 34 + 128
@@ -155,6 +161,21 @@ def test_unsupported_arguments_are_declined():
     assert "[B, T <= 8, K]" in why(x=x.reshape(1, 1, 1, -1))
     assert ac.decode_add(x, None, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, backend="cuda",
                          **{k: v for k, v in case.kw().items() if k not in ("row_start", "row_pos")}) is None
+
+
+def test_blocks_fit_the_register_cap():
+    """attn_chain's CUDA lanes are capped at MAX_REGISTERS (__maxnreg__ in its header), so a block of more than 16
+    warps (query heads a kv head) could not launch: declined, 16 taken."""
+    for spec in (ac.SPEC, ac.LONG_SPEC):
+        assert f"__maxnreg__({ac.MAX_REGISTERS})" in kernels.spec_header(spec, "cuda", "")
+        assert "__maxnreg__" not in kernels.spec_header(spec, "metal", "")
+    for Hq, declined in ((16, False), (17, True), (20, True)):
+        case = Case(1, Hq, 1, 32, 8, 16, 5, nsplit=2)
+        x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, 96, 4, 32, 70, 4)
+        k = case.kw()
+        why = ac.unsupported(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, k["n_heads"],
+                             k["n_kv_heads"], k["rope_dims"], k["scale"], k["plane"])
+        assert (why is not None and "registers" in why) == declined, (Hq, why)
 
 
 def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):

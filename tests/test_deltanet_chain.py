@@ -88,20 +88,22 @@ def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
     whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
-    # The last two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
-    runs = [(c, False, False) for c in CASES] + [(c, True, False) for c in OUT_CASES]
-    runs += [(CASES[0], False, True), (OUT_CASES[0], True, True)]
-    for n, ((case, K, bits, gs), with_out, prefetch) in enumerate(runs):
+    # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
+    # the 35B layer at B 3 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
+    runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
+    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[1], True, False, 132)]
+    for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
         conv_w, A_log, dt_bias, norm_w = params
         M = kernels.row_bucket(case.B * case.tokens)
         o = None if out_proj is None else (K, 4, 32, BF16)
+        PW = in_proj[0].shape[0]
+        p = dc.plan(M, K, PW, bits, case.Dk, case.Dv, None if o is None else (case.Hv * case.Dv, K, 4), sms)
+        assert sms is None or (p["qmv"]["RPS"], p["proj_blocks"]) == (6, 129)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
                            norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
-                           o, prefetch=prefetch)
-        PW = in_proj[0].shape[0]
-        p = dc.plan(M, K, PW, bits, case.Dk, case.Dv, None if o is None else (case.Hv * case.Dv, K, 4))
+                           o, p, prefetch=prefetch)
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
                 kernels.placeholder(mx.bool_) if mask is None else mask]
         shapes = [(case.B, case.tokens, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, case.tokens, PW)]
@@ -127,6 +129,17 @@ def test_plan_runs_both_phases_in_the_steps_blocks():
     assert p["WARPS"] == p["qmv"]["WARPS"] == 16
     assert (p["qmv"]["LANES"], p["qmv"]["RPS"], p["proj_blocks"]) == (32, 4, 193)
     assert qmv.plan(1, 2048, 12352, 4)["RPS"] == 4  # qmv's own plan: 8 warps, 386 blocks
+
+
+def test_plan_fits_the_projection_in_one_wave_where_it_can():
+    """Given the SMs (a 512-thread block each), the projection takes the fewest rows a lane that fit one wave, at most
+    12 weight chunks in flight a lane; where none fits (or 193 blocks already do), the plan stays as it was."""
+    wide = lambda sms: dc.plan(1, 2048, 12352, 4, 128, 128, (4096, 2048, 4), sms)  # noqa: E731
+    assert (wide(132)["qmv"]["RPS"], wide(132)["proj_blocks"]) == (6, 129)
+    assert wide(132)["out"] == wide(None)["out"]  # the output projection's 128 blocks already fit
+    for sms in (None, 114, 193, 264):
+        assert (wide(sms)["qmv"]["RPS"], wide(sms)["proj_blocks"]) == (4, 193), sms
+    assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 6  # a K tile of 1 chunk a lane
 
 
 def test_unsupported_arguments_are_declined():

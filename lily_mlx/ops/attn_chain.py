@@ -20,14 +20,22 @@ from . import enabled, kernels, metal_source, qmv, register_kernel
 
 SPEC_PARAMS = ad.SPEC_PARAMS + ("WARPS", "QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS", "OBITS", "OGS",
                                 "OLANES", "ORPS", "PF")  # PF: switch chain_prefetch (ops/moe_chain.py)
+# A lane's registers on CUDA: NVRTC gave the 35B instance 168, one 8-warp block an SM, so the projection phase's 288
+# blocks took three waves; at 128 two blocks fit. A block of more than 16 warps could not launch under it.
+MAX_REGISTERS = 128
+SM_REGISTERS = 64 * 1024
 
 
-def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: int, fold: bool) -> dict:
+def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: int, fold: bool,
+         sms: Optional[int] = None) -> dict:
     """attn_decode's block (a warp per query head of a kv head) for every phase, both projections' rows planned for
-    it; the output projection with qmv_attn's block floor when it merges the splits (fold)."""
+    it; the output projection with qmv_attn's block floor when it merges the splits (fold). sms: the GPU's
+    multiprocessors, each holding the blocks MAX_REGISTERS leave room for, so that the input projection fits one
+    wave of them (35B on 132 SMs: 231 blocks of 40 rows, not 288 of 32)."""
     warps = Hq // Hkv
     PW = Hq * 2 * D + 2 * Hkv * D
-    return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps),
+    wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms else None
+    return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps, wave=wave),
             "out": qmv.plan_chained(M, Hq * D, H, obits, warps, qmv.ATTN_MIN_BLOCKS if fold else qmv.MIN_BLOCKS)}
 
 
@@ -66,6 +74,8 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
     why = qmv.unsupported(kernels.Shaped((B, L, n_heads * D), x.dtype), wo, so, bo, ogs, obits, residual=residual)
     if why:
         return f"output projection: {why}"
+    if 32 * (n_heads // n_kv_heads) * MAX_REGISTERS > SM_REGISTERS:
+        return f"{n_heads // n_kv_heads} query heads a kv head: a block of that many warps over an SM's registers"
     M = kernels.row_bucket(B * L)
     if max(shared_bytes(M, x.shape[-1], n_heads, n_kv_heads, D, bits, obits, fold, L)
            for fold in (False, True)) > metal_source.THREADGROUP_BYTES:
@@ -106,7 +116,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           wide, prefetch)
+           wide, prefetch, kernels.sm_count())
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -118,7 +128,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
         fold = fold and ns <= ad.FOLD_MAX_SPLITS
         w, scales, _, bits, group_size = qkv
         wo, so, _, obits, ogs = o_proj
-        p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold)
+        p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold, key[-1])
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
                         ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch)
@@ -191,13 +201,14 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a gated-attention layer's decode half in one launch: input norm, fused q|k|v projection, split "
                 "attention, the splits' merge inside o_proj, the residual add",
     instances=lambda: _instances(True), defines=("LILY_CHAIN",), weights=_WEIGHTS, bundle=_BUNDLE,
+    cuda_max_registers=MAX_REGISTERS,
 ))
 LONG_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_chain_long", body="attn_chain.inc", input_names=_INPUTS,
     output_names=ad.SPEC.output_names[1:] + ("proj", "out", "h"), template_params=SPEC_PARAMS,
     description="attn_chain for a finely split cache: the splits merged once (attn_combine's body), then o_proj",
     instances=lambda: _instances(False), defines=("LILY_CHAIN", "LILY_CHAIN_COMBINE"), weights=_WEIGHTS,
-    bundle=_BUNDLE,
+    bundle=_BUNDLE, cuda_max_registers=MAX_REGISTERS,
 ))
 
 

@@ -22,11 +22,13 @@ SPEC_PARAMS = _QMV_PARAMS + ("PF",)  # PF: switch chain_prefetch (ops/moe_chain.
 OUT_PARAMS = _QMV_PARAMS + ("OBITS", "OGS", "OK", "OLANES", "ORPS", "PF")
 
 
-def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tuple] = None) -> dict:
+def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tuple] = None,
+         sms: Optional[int] = None) -> dict:
     """deltanet_step's block (its WARPS) for every phase, the projections' rows planned for it. out: (K, N, bits) of
-    the output projection (deltanet_chain_out)."""
+    the output projection (deltanet_chain_out); sms: the GPU's multiprocessors, each holding one block (512 threads
+    under the 512-thread launch bound's 128 registers), so that the input projection fits one wave of them."""
     step = ds.plan(Dk, Dv)
-    p = {"step": step, "qmv": qmv.plan_chained(M, K, PW, bits, step["WARPS"]), "WARPS": step["WARPS"]}
+    p = {"step": step, "qmv": qmv.plan_chained(M, K, PW, bits, step["WARPS"], wave=sms), "WARPS": step["WARPS"]}
     p["proj_blocks"] = p["qmv"]["blocks"]
     if out is not None:
         p["out"] = qmv.plan_chained(M, *out, step["WARPS"])
@@ -101,7 +103,7 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *in_proj[:3], *args) if a is not None),
            in_proj[3:], norm[1], args[-1] is None, num_key_heads, eps, None if mask is None else mask.shape,
            None if out_proj is None else (tuple((a.shape, a.dtype) for a in (*out_proj[:3], residual)), out_proj[3:]),
-           enabled("chain_prefetch"))
+           kernels.sm_count(), enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -114,7 +116,7 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
                                            norm_weight.shape[0], num_key_heads)
         M = kernels.row_bucket(x.shape[0] * x.shape[1])
         out = None if out_proj is None else (out_proj[0].shape[0], out_proj[3], out_proj[4], out_proj[1].dtype)
-        p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
+        p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]), key[-2])
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
                         (conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype), Hk, Hv, Dk, Dv,
                         conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1])

@@ -147,8 +147,9 @@ class Nvrtc:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(code).decode()}{log}")
 
     def compile(self, source: str, program: str, kernel: str, options: list[str],
-                headers: dict[str, str]) -> tuple[bytes, str]:
-        """(cubin, or PTX where NVRTC cannot target the device's SASS; the lowered name of `kernel`)."""
+                headers: dict[str, str], log: Optional[list] = None) -> tuple[bytes, str]:
+        """(cubin, or PTX where NVRTC cannot target the device's SASS; the lowered name of `kernel`). log: a list the
+        compiler's log is appended to (ptxas's resource lines under --ptxas-options=-v)."""
         lib, prog = self.lib, ctypes.c_void_p()
         arr = lambda items: (ctypes.c_char_p * max(1, len(items)))(*[s.encode() for s in items])  # noqa: E731
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), program.encode(), len(headers),
@@ -156,12 +157,14 @@ class Nvrtc:
         try:
             self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "nvrtcAddNameExpression")
             code = lib.nvrtcCompileProgram(prog, len(options), arr(options))
-            if code:
+            if code or log is not None:
                 size = ctypes.c_size_t()
                 lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value + 1)
-                lib.nvrtcGetProgramLog(prog, log)
-                self._check(code, "nvrtcCompileProgram", "\n" + log.value.decode(errors="replace")[-2000:])
+                text = ctypes.create_string_buffer(size.value + 1)
+                lib.nvrtcGetProgramLog(prog, text)
+                self._check(code, "nvrtcCompileProgram", "\n" + text.value.decode(errors="replace")[-2000:])
+                if log is not None:
+                    log.append(text.value.decode(errors="replace"))
             lowered = ctypes.c_char_p()
             self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
             name = lowered.value.decode()

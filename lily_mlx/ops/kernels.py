@@ -71,6 +71,24 @@ def row_bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count() -> Optional[int]:
+    """The CUDA device's multiprocessors, from the driver (MLX's device_info does not carry them); None without one.
+    A chained kernel's plan sizes a phase to one wave of its blocks with it."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, count = ctypes.c_int(), ctypes.c_int()
+    multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0) or \
+            cuda.cuDeviceGetAttribute(ctypes.byref(count), multiprocessor_count, device):
+        return None
+    return count.value
+
+
 @dataclass(frozen=True)
 class Instance:
     """One concrete call of a kernel: what MLX needs to write its full source."""
@@ -93,6 +111,8 @@ class KernelSpec:
     # CUDA __launch_bounds__(threads, min blocks an SM): MLX writes the __global__ line itself, so the header
     # redefines __global__ to carry them (ptxas then caps the registers for that many resident blocks).
     cuda_launch_bounds: tuple[int, ...] = ()
+    # CUDA __maxnreg__: a lane's registers capped whatever the block size (the blocks an SM holds then follow).
+    cuda_max_registers: int = 0
     # (codes, scales, biases) input names of quantized weights that may arrive packed as one array (ops/packing.py):
     # register_spec then registers this spec's packed variant too, <name>_pw, each triple one input <codes>_pw.
     weights: tuple[tuple[str, str, str], ...] = ()
@@ -567,11 +587,15 @@ def experiment_defines() -> str:
 
 
 def spec_header(spec: KernelSpec, backend: str, src: str) -> str:
-    """header(backend, src) after experiment_defines(), with the spec's CUDA launch bounds last."""
+    """header(backend, src) after experiment_defines(), with the spec's CUDA launch bounds and register cap last."""
     hdr = experiment_defines() + header(backend, src)
-    if backend == "cuda" and spec.cuda_launch_bounds:
-        bounds = ", ".join(str(b) for b in spec.cuda_launch_bounds)
-        hdr += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({bounds})\n"
+    attributes = []
+    if spec.cuda_launch_bounds:
+        attributes.append(f"__launch_bounds__({', '.join(str(b) for b in spec.cuda_launch_bounds)})")
+    if spec.cuda_max_registers:
+        attributes.append(f"__maxnreg__({spec.cuda_max_registers})")
+    if backend == "cuda" and attributes:
+        hdr += f"#undef __global__\n#define __global__ __location__(global) {' '.join(attributes)}\n"
     return hdr
 
 

@@ -22,6 +22,7 @@ SCALE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 XBUDGET = 6144  # floats of x one block stages per K tile; the same constant as in qmv.inc
 MIN_BLOCKS = 256  # fewer row blocks than this: shrink them, so small N still fills the GPU
 MAX_BLOCKS = 528  # persistent grid: blocks loop over row blocks beyond this
+MAX_CHAINED_CHUNKS = 12  # plan_chained's weight chunks in flight a lane (12 x 16 bytes: 128 registers held)
 # The dispatcher takes qmv only from this many weight bytes on: measured on the H200 (eager MLX,
 # bench/kernels.py), a custom kernel costs ~8-10 us more per call than mx.quantized_matmul, which
 # outweighs its faster kernel below ~10 MB (2048->8192: 33.0 vs 29.9 us; lm_head: 128 vs 538 us).
@@ -37,6 +38,13 @@ MODEL_SHAPES = (
 )
 
 
+def chunks_per_lane(M: int, K: int, bits: int, lanes: int) -> int:
+    """A lane's 16-byte weight chunks of one row in a K tile (qmv.inc's CPL; the tile holds XBUDGET floats of x)."""
+    cpc = 128 // bits
+    tch = min(K // cpc, XBUDGET // (M * cpc) // lanes * lanes)
+    return -(-tch // lanes)
+
+
 def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps: Optional[int] = None,
          kernel: str = "qmv") -> dict:
     """Launch shape: LANES lanes per row (a power of two dividing the row's 16-byte chunks, small
@@ -48,8 +56,7 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps:
     lanes = 32
     while lanes > 1 and (chunks % lanes or M * lanes * cpc > XBUDGET):
         lanes //= 2
-    tch = min(chunks, XBUDGET // (M * cpc) // lanes * lanes)
-    cpl = -(-tch // lanes)
+    cpl = chunks_per_lane(M, K, bits, lanes)
     sub = 32 // lanes
     rps = max(1, min(4, 8 // cpl))  # at most 8 chunks (128 bytes) of w in flight per lane
     fixed, warps = warps is not None, warps or 8
@@ -64,12 +71,20 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps:
     return {"LANES": lanes, "RPS": rps, "WARPS": warps, "blocks": min(row_blocks, MAX_BLOCKS)}
 
 
-def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int = MIN_BLOCKS) -> dict:
+def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int = MIN_BLOCKS,
+                 wave: Optional[int] = None) -> dict:
     """plan() for a phase of a chained kernel (deltanet_chain, attn_chain), whose blocks all have `warps`: every row
     block its own block (no persistent loop: a later phase waits on all of them), the block-count floor scaled with
-    the block size so that a lane keeps as many weight chunks in flight as qmv's own plan gives it."""
+    the block size so that a lane keeps as many weight chunks in flight as qmv's own plan gives it. wave: the blocks
+    the GPU holds at once: where the phase takes more, the fewest rows a lane that fit it in one (at most
+    MAX_CHAINED_CHUNKS chunks in flight a lane), as a second wave repeats each block's fixed cost (ticket, staging x')
+    for what is left of the rows."""
     p = plan(M, K, N, bits, min_blocks=min_blocks * 8 // warps, warps=warps)
-    return dict(p, blocks=-(-N // (warps * (32 // p["LANES"]) * p["RPS"])))
+    blocks = lambda rps: -(-N // (warps * (32 // p["LANES"]) * rps))  # noqa: E731
+    cpl = chunks_per_lane(M, K, bits, p["LANES"])
+    fits = [r for r in range(p["RPS"], MAX_CHAINED_CHUNKS // cpl + 1) if wave and blocks(r) <= wave]
+    rps = fits[0] if fits and blocks(p["RPS"]) > wave else p["RPS"]
+    return dict(p, RPS=rps, blocks=blocks(rps))
 
 
 def unsupported(x, w, scales, biases, group_size: int, bits: int, norm=None, residual=None) -> Optional[str]:
