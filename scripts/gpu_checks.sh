@@ -93,6 +93,23 @@ echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
+# The same step and the defaults' in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
+# before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base) and carried
+# (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
+if [ -d .base/lily_mlx ]; then
+  base_env="PYTHONPATH=$PWD/.base:$PYTHONPATH"
+  step 60 120 "every chain on the GPU's timeline, the tree in .base" env "$base_env" LILY_MLX_ENABLE="$chains" \
+    bash -c "cd .base && python3 -m bench.gpu_timeline --model $model --context 64 4096 --json $res/timeline_chains_base.json"
+  step 60 120 "every chain on the GPU's timeline, again (the order's effect)" env LILY_MLX_ENABLE="$chains" \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_chains_again.json"
+  step 60 120 "decode step on the GPU's timeline (defaults), this tree and .base's" bash -c \
+    "python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json && cd .base && \
+$base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
+fi
+# deltanet_chain_out's B 3 float32 failure (run 46; test_chain_prefetch_cuda's plain launch): the error by batch row
+# and head, with kernel_cache on and then off.
+step 60 90 "deltanet_chain_out at B 3 float32, by row and head" bash -c "python3 kernels/scratch/deltanet_chain_out_diag.py; \
+LILY_MLX_DISABLE=kernel_cache MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-fresh python3 kernels/scratch/deltanet_chain_out_diag.py"
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
 step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
