@@ -134,6 +134,7 @@ def test_plan_at_the_35b_shape():
     # On 132 SMs of two blocks each (MAX_REGISTERS): 40 rows a block fit the projection in one wave, o_proj unchanged.
     fitted = ac.plan(1, 2048, 16, 2, 256, 4, 2048, 4, True, 132)
     assert (fitted["qkv"]["RPS"], fitted["qkv"]["blocks"], fitted["out"]) == (5, 231, fold["out"])
+    assert ac.plan(2, 2048, 16, 2, 256, 4, 2048, 4, True, 132) == ac.plan(2, 2048, 16, 2, 256, 4, 2048, 4, True)
     assert fold["out"]["blocks"] == 128 and long["out"]["blocks"] == 256
     assert ad.splits(1, 2, 256) == 17 <= ad.FOLD_MAX_SPLITS < ad.splits(1, 2, 4096) == 256
     assert ac.blocks(fold, 1, 16, 2, 17, True) == 288 + 34 + 128
@@ -164,11 +165,16 @@ def test_unsupported_arguments_are_declined():
 
 
 def test_blocks_fit_the_register_cap():
-    """attn_chain's CUDA lanes are capped at MAX_REGISTERS (__maxnreg__ in its header), so a block of more than 16
-    warps (query heads a kv head) could not launch: declined, 16 taken."""
+    """attn_chain's CUDA lanes at one row (M 1) are capped at MAX_REGISTERS (__maxnreg__ in the instance's header),
+    so a block of more than 16 warps (query heads a kv head) could not launch: declined, 16 taken."""
     for spec in (ac.SPEC, ac.LONG_SPEC):
-        assert f"__maxnreg__({ac.MAX_REGISTERS})" in kernels.spec_header(spec, "cuda", "")
-        assert "__maxnreg__" not in kernels.spec_header(spec, "metal", "")
+        for M, cap in ((1, ac.MAX_REGISTERS), (2, 0)):
+            assert kernels.register_cap(spec, (("M", M),)) == cap
+            cap_of = kernels.register_cap(spec, {"M": M})
+            headers = {b: kernels.spec_header(spec, b, "", cap_of) for b in ("cuda", "metal")}
+            assert (f"__maxnreg__({cap})" in headers["cuda"]) == (cap > 0) and "__maxnreg__" not in headers["metal"]
+        inst = next(i for i in spec.instances() if dict(i.template)["M"] == 1)
+        assert f"__maxnreg__({ac.MAX_REGISTERS})" in kernels.full_source(spec, "cuda", inst)[1]
     for Hq, declined in ((16, False), (17, True), (20, True)):
         case = Case(1, Hq, 1, 32, 8, 16, 5, nsplit=2)
         x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, 96, 4, 32, 70, 4)

@@ -89,9 +89,9 @@ def test_chain_emulated_matches_reference(tmp_path):
     whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
-    # the 35B layer at B 3 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
+    # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
     runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
-    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[1], True, False, 132)]
+    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
     for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
@@ -132,14 +132,15 @@ def test_plan_runs_both_phases_in_the_steps_blocks():
 
 
 def test_plan_fits_the_projection_in_one_wave_where_it_can():
-    """Given the SMs (a 512-thread block each), the projection takes the fewest rows a lane that fit one wave, at most
-    12 weight chunks in flight a lane; where none fits (or 193 blocks already do), the plan stays as it was."""
+    """Given the SMs (a 512-thread block each), the projection at one row of x takes the fewest rows a lane that fit
+    one wave, at most 12 weight chunks in flight a lane; where none fits (or 193 blocks already do), or with more rows
+    of x, the plan stays as it was."""
     wide = lambda sms: dc.plan(1, 2048, 12352, 4, 128, 128, (4096, 2048, 4), sms)  # noqa: E731
     assert (wide(132)["qmv"]["RPS"], wide(132)["proj_blocks"]) == (6, 129)
     assert wide(132)["out"] == wide(None)["out"]  # the output projection's 128 blocks already fit
     for sms in (None, 114, 193, 264):
         assert (wide(sms)["qmv"]["RPS"], wide(sms)["proj_blocks"]) == (4, 193), sms
-    assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 6  # a K tile of 1 chunk a lane
+    assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 4  # rows of x beyond one: as planned
 
 
 def test_unsupported_arguments_are_declined():

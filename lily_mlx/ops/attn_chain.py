@@ -20,8 +20,9 @@ from . import enabled, kernels, metal_source, qmv, register_kernel
 
 SPEC_PARAMS = ad.SPEC_PARAMS + ("WARPS", "QTN", "BITS", "GS", "M", "K", "LANES", "RPS", "QEPS_BITS", "OBITS", "OGS",
                                 "OLANES", "ORPS", "PF")  # PF: switch chain_prefetch (ops/moe_chain.py)
-# A lane's registers on CUDA: NVRTC gave the 35B instance 168, one 8-warp block an SM, so the projection phase's 288
-# blocks took three waves; at 128 two blocks fit. A block of more than 16 warps could not launch under it.
+# A lane's registers on CUDA at one decode row (M 1): NVRTC gave the 35B instance 168, one 8-warp block an SM, so the
+# projection phase's 288 blocks took three waves; at 128 two blocks fit (64 B spilled). At M >= 2 the cap would spill
+# ~1 KB a lane, so those instances keep NVRTC's choice. A block of more than 16 warps could not launch under it.
 MAX_REGISTERS = 128
 SM_REGISTERS = 64 * 1024
 
@@ -34,7 +35,7 @@ def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: in
     wave of them (35B on 132 SMs: 231 blocks of 40 rows, not 288 of 32)."""
     warps = Hq // Hkv
     PW = Hq * 2 * D + 2 * Hkv * D
-    wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms else None
+    wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms and M == 1 else None
     return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps, wave=wave),
             "out": qmv.plan_chained(M, Hq * D, H, obits, warps, qmv.ATTN_MIN_BLOCKS if fold else qmv.MIN_BLOCKS)}
 
@@ -74,9 +75,9 @@ def unsupported(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, o
     why = qmv.unsupported(kernels.Shaped((B, L, n_heads * D), x.dtype), wo, so, bo, ogs, obits, residual=residual)
     if why:
         return f"output projection: {why}"
-    if 32 * (n_heads // n_kv_heads) * MAX_REGISTERS > SM_REGISTERS:
-        return f"{n_heads // n_kv_heads} query heads a kv head: a block of that many warps over an SM's registers"
     M = kernels.row_bucket(B * L)
+    if M == 1 and 32 * (n_heads // n_kv_heads) * MAX_REGISTERS > SM_REGISTERS:
+        return f"{n_heads // n_kv_heads} query heads a kv head: a block of that many warps over an SM's registers"
     if max(shared_bytes(M, x.shape[-1], n_heads, n_kv_heads, D, bits, obits, fold, L)
            for fold in (False, True)) > metal_source.THREADGROUP_BYTES:
         return f"over Metal's {metal_source.THREADGROUP_BYTES} bytes of threadgroup memory"
@@ -193,6 +194,11 @@ def _instances(fold: bool) -> list[kernels.Instance]:
 
 
 _WEIGHTS = (("w", "scales", "biases"), ("wo", "so", "bo"))
+
+
+def _register_cap(template: dict) -> int:
+    return MAX_REGISTERS if template["M"] == 1 else 0
+
 _BUNDLE = ("w", "nw", "qn", "kn", "wo")
 _INPUTS = ("x", "w", "scales", "biases", "nw") + ad.SPEC.input_names[1:] + ("wo", "so", "bo", "res", "sync")
 SPEC = kernels.register_spec(kernels.KernelSpec(
@@ -201,14 +207,14 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a gated-attention layer's decode half in one launch: input norm, fused q|k|v projection, split "
                 "attention, the splits' merge inside o_proj, the residual add",
     instances=lambda: _instances(True), defines=("LILY_CHAIN",), weights=_WEIGHTS, bundle=_BUNDLE,
-    cuda_max_registers=MAX_REGISTERS,
+    cuda_max_registers=_register_cap,
 ))
 LONG_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="attn_chain_long", body="attn_chain.inc", input_names=_INPUTS,
     output_names=ad.SPEC.output_names[1:] + ("proj", "out", "h"), template_params=SPEC_PARAMS,
     description="attn_chain for a finely split cache: the splits merged once (attn_combine's body), then o_proj",
     instances=lambda: _instances(False), defines=("LILY_CHAIN", "LILY_CHAIN_COMBINE"), weights=_WEIGHTS,
-    bundle=_BUNDLE, cuda_max_registers=MAX_REGISTERS,
+    bundle=_BUNDLE, cuda_max_registers=_register_cap,
 ))
 
 

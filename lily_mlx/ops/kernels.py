@@ -111,8 +111,9 @@ class KernelSpec:
     # CUDA __launch_bounds__(threads, min blocks an SM): MLX writes the __global__ line itself, so the header
     # redefines __global__ to carry them (ptxas then caps the registers for that many resident blocks).
     cuda_launch_bounds: tuple[int, ...] = ()
-    # CUDA __maxnreg__: a lane's registers capped whatever the block size (the blocks an SM holds then follow).
-    cuda_max_registers: int = 0
+    # CUDA __maxnreg__: a lane's registers capped whatever the block size (the blocks an SM holds then follow); or a
+    # function of an instance's template arguments (a dict) giving its cap, 0 for none.
+    cuda_max_registers: Union[int, Callable[[dict], int]] = 0
     # (codes, scales, biases) input names of quantized weights that may arrive packed as one array (ops/packing.py):
     # register_spec then registers this spec's packed variant too, <name>_pw, each triple one input <codes>_pw.
     weights: tuple[tuple[str, str, str], ...] = ()
@@ -586,14 +587,25 @@ def experiment_defines() -> str:
     return "".join(f"#define {n} {v}\n" for n, v in experiment_values().items())
 
 
-def spec_header(spec: KernelSpec, backend: str, src: str) -> str:
-    """header(backend, src) after experiment_defines(), with the spec's CUDA launch bounds and register cap last."""
+def register_cap(spec: KernelSpec, template=None) -> int:
+    """The CUDA register cap of a spec's instance (template arguments as pairs or a dict; 0: none, as for a cap that
+    depends on them when they are not given)."""
+    cap = spec.cuda_max_registers
+    if callable(cap):
+        return cap(dict(template)) if template is not None else 0
+    return cap
+
+
+def spec_header(spec: KernelSpec, backend: str, src: str, registers: Optional[int] = None) -> str:
+    """header(backend, src) after experiment_defines(), with the spec's CUDA launch bounds and register cap last
+    (registers: register_cap's for the instance; None: the spec's fixed cap)."""
     hdr = experiment_defines() + header(backend, src)
+    registers = register_cap(spec) if registers is None else registers
     attributes = []
     if spec.cuda_launch_bounds:
         attributes.append(f"__launch_bounds__({', '.join(str(b) for b in spec.cuda_launch_bounds)})")
-    if spec.cuda_max_registers:
-        attributes.append(f"__maxnreg__({spec.cuda_max_registers})")
+    if registers:
+        attributes.append(f"__maxnreg__({registers})")
     if backend == "cuda" and attributes:
         hdr += f"#undef __global__\n#define __global__ __location__(global) {' '.join(attributes)}\n"
     return hdr
@@ -603,8 +615,9 @@ def full_source(spec: KernelSpec, backend: str, inst: Instance) -> tuple[str, st
     """(kernel name, the complete source MLX compiles for this instance on `backend`)."""
     write = metal_source.cuda_source if backend == "cuda" else metal_source.metal_source
     src = body(spec, backend)
-    return write(spec.name, spec.input_names, spec.output_names, src, spec_header(spec, backend, src),
-                 inst.inputs, inst.output_dtypes, inst.template)
+    return write(spec.name, spec.input_names, spec.output_names, src,
+                 spec_header(spec, backend, src, register_cap(spec, inst.template)), inst.inputs, inst.output_dtypes,
+                 inst.template)
 
 
 def source_dir() -> Optional[Path]:
@@ -643,21 +656,23 @@ def included(spec: KernelSpec, src: str, hdr: str, folder: Path) -> tuple[str, s
 
 
 @functools.lru_cache(maxsize=None)
-def texts(name: str, backend: str, via_files: bool = False) -> tuple[str, str]:
-    """(body, header) a registered spec's MLX kernel object is made from (CUDA: optionally #include stubs)."""
+def texts(name: str, backend: str, via_files: bool = False, registers: int = 0) -> tuple[str, str]:
+    """(body, header) a registered spec's MLX kernel object is made from (CUDA: optionally #include stubs; registers:
+    the instance's register_cap)."""
     spec = SPECS[name]
     src = body(spec, backend)
-    hdr = spec_header(spec, backend, src)
+    hdr = spec_header(spec, backend, src, registers)
     folder = source_dir() if via_files and backend == "cuda" else None
     return included(spec, src, hdr, folder) if folder is not None else (src, hdr)
 
 
 @functools.lru_cache(maxsize=None)
-def build(name: str, backend: str, via_files: bool = False, shared_memory: int = 0):
+def build(name: str, backend: str, via_files: bool = False, shared_memory: int = 0, registers: int = 0):
     """The compiled-on-first-use MLX kernel object for a registered spec on a backend (CUDA: optionally
-    with its source in #included files, and `shared_memory` bytes of dynamic shared memory a launch)."""
+    with its source in #included files, `shared_memory` bytes of dynamic shared memory a launch and the instances'
+    register cap)."""
     spec = SPECS[name]
-    src, hdr = texts(name, backend, via_files)
+    src, hdr = texts(name, backend, via_files, registers)
     if backend == "cuda":
         return mx.fast.cuda_kernel(name=name, input_names=list(spec.input_names),
                                    output_names=list(spec.output_names), source=src, header=hdr,
@@ -719,7 +734,8 @@ def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_
     via_files = backend == "cuda" and enabled("cuda_source_files")
     if backend == "cuda" and enabled("kernel_cache"):
         cached_build(name, via_files, inputs, template, output_dtypes)
-    return build(name, backend, via_files, shared_memory)(
+    registers = register_cap(SPECS[name], template) if backend == "cuda" else 0
+    return build(name, backend, via_files, shared_memory, registers)(
         inputs=inputs, template=template, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
         output_dtypes=output_dtypes, **kwargs)
 
@@ -727,7 +743,7 @@ def launch(name: str, backend: str, inputs, template, grid, threadgroup, output_
 def launch_source(name: str, via_files: bool, inputs, template, output_dtypes) -> tuple[str, str]:
     """(kernel name, full source) MLX's cuda_kernel generates for this launch of a registered spec."""
     spec = SPECS[name]
-    src, hdr = texts(name, "cuda", via_files)
+    src, hdr = texts(name, "cuda", via_files, register_cap(spec, template))
     return metal_source.cuda_source(name, spec.input_names, spec.output_names, src, hdr,
                                     [(a.dtype, tuple(a.shape)) for a in inputs], output_dtypes, template)
 
