@@ -94,8 +94,8 @@ chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
 # The same step and the defaults' in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
-# before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base) and carried
-# (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
+# before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
+# and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
 if [ -d .base/lily_mlx ]; then
   base_env="PYTHONPATH=$PWD/.base:$PYTHONPATH"
   step 60 120 "every chain on the GPU's timeline, the tree in .base" env "$base_env" LILY_MLX_ENABLE="$chains" \
