@@ -83,6 +83,12 @@ LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float
   LILY_BARRIER();
 }
 
+// Elements i .. i + 3 of p as floats.
+template <typename TP>
+LILY_INLINE float4 lily_float4(TP p, int i) {
+  return LILY_F4(lily_float(p[i]), lily_float(p[i + 1]), lily_float(p[i + 2]), lily_float(p[i + 3]));
+}
+
 // A float4's sum of squares, in the order every staging that normalises takes it.
 LILY_INLINE float lily_sum_sq4(float4 v) {
   return LILY_FMA(v.w, v.w, LILY_FMA(v.z, v.z, LILY_FMA(v.y, v.y, v.x * v.x)));
@@ -120,11 +126,9 @@ LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4,
     const int e = it * NTHREADS + tid;  // float4 index into the row
     v[it] = wv[it] = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
     if (e < C * F4C) {
-      v[it] = LILY_F4(lily_float(x[e * 4]), lily_float(x[e * 4 + 1]), lily_float(x[e * 4 + 2]),
-                      lily_float(x[e * 4 + 3]));
+      v[it] = lily_float4(x, e * 4);
       if (NORM) {
-        wv[it] = LILY_F4(lily_float(nw[e * 4]), lily_float(nw[e * 4 + 1]), lily_float(nw[e * 4 + 2]),
-                         lily_float(nw[e * 4 + 3]));
+        wv[it] = lily_float4(nw, e * 4);
         ss[0] += lily_sum_sq4(v[it]);
       }
     }

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "tests")]
-from lily_mlx.ops import deltanet_chain as dc, kernel_cache  # noqa: E402
+from lily_mlx.ops import deltanet_chain as dc, kernel_cache, reference  # noqa: E402
 from test_deltanet_chain import MODEL, _inputs, _out_proj, _matmul_ref  # noqa: E402
 from test_deltanet_step import _composition  # noqa: E402
 
@@ -45,7 +45,9 @@ for (case, K, bits, gs) in MODEL:
         per_head = rel(o, orf, axis=-1)  # [B, Hv]
         st = rel(state_new, s_ref, axis=(-1, -2))  # [B, Hv]
         print(f"{case} with_out={with_out} cache(last launch)={cache} runs bit-equal={same}")
-        print(f"  proj rel {rel(proj, _matmul_ref(x, in_proj)) if False else 'n/a'}; out rel {rel(out, o_ref):.2e}; "
+        with mx.stream(mx.cpu):
+            xn = reference.rms_norm(x, norm[0], norm[1])
+        print(f"  proj rel {rel(proj, _matmul_ref(xn, in_proj)):.2e}; out rel {rel(out, o_ref):.2e}; "
               f"state rel {rel(state_new, s_ref):.2e}; conv equal {mx.array_equal(conv_new, c_ref.astype(conv_new.dtype)).item()}")
         for b in range(case.B):
             bad = [h for h in range(case.Hv) if per_head[b, h].item() > 1e-3]

@@ -35,7 +35,7 @@ def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: in
     wave of them (35B on 132 SMs: 231 blocks of 40 rows, not 288 of 32)."""
     warps = Hq // Hkv
     PW = Hq * 2 * D + 2 * Hkv * D
-    wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms and M == 1 else None
+    wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms else None  # plan_chained: at M 1 only
     return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps, wave=wave),
             "out": qmv.plan_chained(M, Hq * D, H, obits, warps, qmv.ATTN_MIN_BLOCKS if fold else qmv.MIN_BLOCKS)}
 

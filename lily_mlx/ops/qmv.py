@@ -83,8 +83,8 @@ def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int 
     p = plan(M, K, N, bits, min_blocks=min_blocks * 8 // warps, warps=warps)
     blocks = lambda rps: -(-N // (warps * (32 // p["LANES"]) * rps))  # noqa: E731
     cpl = chunks_per_lane(M, K, bits, p["LANES"])
-    fits = [r for r in range(p["RPS"], MAX_CHAINED_CHUNKS // cpl + 1) if wave and M == 1 and blocks(r) <= wave]
-    rps = fits[0] if fits and blocks(p["RPS"]) > wave else p["RPS"]
+    fits = (r for r in range(p["RPS"], MAX_CHAINED_CHUNKS // cpl + 1) if wave and M == 1 and blocks(r) <= wave)
+    rps = next(fits, p["RPS"])
     return dict(p, RPS=rps, blocks=blocks(rps))
 
 
