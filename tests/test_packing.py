@@ -99,11 +99,15 @@ def test_scales_ending_mid_word_pack_through_qmv(tmp_path):
 
 def test_model_packs_every_quantized_weight_and_computes_the_same():
     """pack_weights leaves every weight a view of a packed array (fused parts views of their packed concatenation),
-    the logits bit for bit the same; again it packs nothing."""
+    the logits bit for bit the same, and MLX's cache keeps none of the old buffers (other processes on the GPU need
+    them); again it packs nothing."""
     model = layer_stack()
     x = mx.array([[1, 2, 3, 4, 5]])
     before = model(x)
+    mx.eval(before)
+    weights = mx.get_active_memory()
     model.fuse_projections(pack=True)
+    assert mx.get_cache_memory() < 0.05 * weights
     assert model.pack_weights() == 0
     groups = list(model.fused_groups())
     assert len(groups) == 2 * len(model.layers) and all(f.current() and f.packed() is not None for f in groups)
@@ -275,14 +279,16 @@ def test_model_bundles_every_chain_launch_and_computes_the_same(monkeypatch):
     mx.eval(before)
     gc.collect()
     memory = mx.get_active_memory()
-    made = []
+    made, cached = [], []
     real = model.bundle_weights
-    monkeypatch.setattr(model, "bundle_weights", lambda run: made.append(real(run)) or made[-1])
+    monkeypatch.setattr(model, "bundle_weights",
+                        lambda run: made.append(real(run)) or cached.append(mx.get_cache_memory()) or made[-1])
     with monkeypatch.context() as mp:
         mp.setattr(kernels, "launch", standin)
         mp.setattr(ops, "backend", lambda: "cuda")
         names = [name for _ in range(2) for name, *_ in decoder(model, CHAINS + ("bundled_weights",), 8)[1]]
     assert made == [80]  # the second decoder did not trace for bundling again: nothing could have changed
+    assert cached[0] < 0.05 * memory  # MLX kept none of the old buffers for reuse (other processes need them)
     chain_launches = [n for n in names if n.removesuffix(kernels.BUNDLED) in CHAINS]
     # the second decoder re-traced nothing: bundling left the arrays its trace is keyed on as they were
     assert len(chain_launches) == 80 and all(n.endswith(kernels.BUNDLED) for n in chain_launches)
