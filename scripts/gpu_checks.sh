@@ -7,7 +7,8 @@
 # Output: log.txt (every step's output) and reports.tgz (the JSON reports, the junit file, the decode profile).
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
-# TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B".
+# TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B";
+# ONLY runs just the steps whose names match it.
 # MLX keeps what NVRTC compiled of its own kernels in MLX_PTX_CACHE_DIR, and reads ours there but never writes them
 # (ops/kernel_cache.py writes them when `kernel_cache` is on). The cache comes back as $OUT/ptx.tar.xz (at most
 # 15 MB): copied to .ptx-cache/ here and carried (carry [".device", ".ptx-cache"]), the next machine starts with it,
@@ -47,6 +48,7 @@ step() {  # step NEED CAP NAME COMMAND...: runs when NEED seconds are left, for 
   local need=$1 cap=$2 name=$3 limit
   shift 3
   if [ -n "${SKIP:-}" ] && [[ "$name" =~ $SKIP ]]; then echo "== $name: skipped (SKIP)"; return; fi
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then return; fi
   if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
   limit=$(left)
   if [ "$cap" -gt 0 ] && [ "$cap" -lt "$limit" ]; then limit=$cap; fi
@@ -106,6 +108,13 @@ if [ -d .base/lily_mlx ]; then
     "python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json && cd .base && \
 $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
+# attn_chain merges a split cache inside o_proj (qmv_attn: each of its 128 blocks reads every split, 19.9 us a block at
+# context 64 in run 47, where the cache was split 17 ways for ~4 positions each); attn_chain_long merges once.
+step 60 120 "every chain on the GPU's timeline, qmv_attn off (attn_chain_long)" env LILY_MLX_ENABLE="$chains" \
+  LILY_MLX_DISABLE=qmv_attn${LILY_MLX_DISABLE:+,$LILY_MLX_DISABLE} python3 -m bench.gpu_timeline --model "$model" \
+  --context 64 4096 --json "$res/timeline_chains_long.json"
+# Where the chains' warps stall, instruction by instruction (ncu's PC sampling; the SASS page comes back as a file).
+step 60 200 "ncu source counters of the chains (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
 # deltanet_chain_out's B 3 float32 failure (run 46; test_chain_prefetch_cuda's plain launch): the error by batch row
 # and head, with kernel_cache on and then off.
 step 60 90 "deltanet_chain_out at B 3 float32, by row and head" bash -c "python3 kernels/scratch/deltanet_chain_out_diag.py; \
