@@ -127,8 +127,8 @@ def test_chain_emulated_matches_reference(tmp_path):
 
 def test_plan_at_the_35b_shape():
     """8-warp blocks (attn_decode's: a warp per query head of a kv head): the 9,216 q|k|v rows in 288 blocks of 32,
-    o_proj's 2,048 rows in qmv_attn's 128 blocks (folded) or qmv's 256 (long); a 256-position cache's 17 splits fold,
-    a 4,096-position one's 256 go through attn_combine's 16 blocks."""
+    o_proj's 2,048 rows in qmv_attn's 128 blocks (folded) or qmv's 256 (long); only an unsplit cache folds: a
+    256-position cache's 17 splits, like a 4,096-position one's 256, go through attn_combine's 16 blocks."""
     fold, long = (ac.plan(1, 2048, 16, 2, 256, 4, 2048, 4, f) for f in (True, False))
     assert fold["WARPS"] == 8 and (fold["qkv"]["LANES"], fold["qkv"]["RPS"], fold["qkv"]["blocks"]) == (32, 4, 288)
     # On 132 SMs of two blocks each (MAX_REGISTERS): 40 rows a block fit the projection in one wave, o_proj unchanged.
@@ -136,7 +136,7 @@ def test_plan_at_the_35b_shape():
     assert (fitted["qkv"]["RPS"], fitted["qkv"]["blocks"], fitted["out"]) == (5, 231, fold["out"])
     assert ac.plan(2, 2048, 16, 2, 256, 4, 2048, 4, True, 132) == ac.plan(2, 2048, 16, 2, 256, 4, 2048, 4, True)
     assert fold["out"]["blocks"] == 128 and long["out"]["blocks"] == 256
-    assert ad.splits(1, 2, 256) == 17 <= ad.FOLD_MAX_SPLITS < ad.splits(1, 2, 4096) == 256
+    assert ad.splits(1, 2, 32) == ac.FOLD_MAX_SPLITS < ad.splits(1, 2, 256) == 17 <= ad.FOLD_MAX_SPLITS
     assert ac.blocks(fold, 1, 16, 2, 17, True) == 288 + 34 + 128
     assert ac.blocks(long, 1, 16, 2, 256, False) == 288 + 512 + 16 + 256
     for f in (True, False):  # under Metal's threadgroup memory at every decode batch
@@ -186,7 +186,7 @@ def test_blocks_fit_the_register_cap():
 
 def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
     """ops.attention_decode_add: attn_chain is opt-in, needs a source and attn_decode and qmv on, folds the merge into
-    o_proj for a short cache with qmv_attn on and takes attn_chain_long for a long one or with qmv_attn off; the
+    o_proj for an unsplit cache with qmv_attn on and takes attn_chain_long for a split one or with qmv_attn off; the
     projection is then never built. Declined, the unchained path runs on the built projection."""
     launched, built = [], []
 
@@ -211,11 +211,12 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
 
     assert run(256) == (["attn_decode", "qmv_attn"], 1)  # off by default
     with ops.switched("attn_chain", True):
-        assert run(256) == (["attn_chain"], 0)
+        assert run(32) == (["attn_chain"], 0)
+        assert run(256) == (["attn_chain_long"], 0)  # unchained, this cache's 17 splits would fold (qmv_attn)
         assert run(4096) == (["attn_chain_long"], 0)
         assert run(256, source=False) == (["attn_decode", "qmv_attn"], 1)
         with ops.disabled("qmv_attn"):
-            assert run(256) == (["attn_chain_long"], 0)
+            assert run(32) == (["attn_chain_long"], 0)
         for off in ("attn_decode", "qmv"):
             with ops.disabled(off):
                 assert "attn_chain" not in run(256)[0][0]
@@ -231,7 +232,7 @@ def _gpu(backend, case, K, bits, gs, H, obits, fold):
                                 backend=backend, init_value=NAN, **kw)
     assert run() is not None, f"attn_chain declined {case}"
     first = assert_launches_agree(run, str(case))
-    _check_chain(case, inputs, first, fold and ad.splits(case.B * case.tokens, case.Hkv, case.cap) <= ad.FOLD_MAX_SPLITS)
+    _check_chain(case, inputs, first, fold and ad.splits(case.B * case.tokens, case.Hkv, case.cap) <= ac.FOLD_MAX_SPLITS)
     return first
 
 

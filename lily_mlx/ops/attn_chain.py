@@ -1,9 +1,8 @@
 """attn_chain: a gated-attention layer's decode token in one launch (kernels/attn_chain.inc, CUDA and Metal): qmv's body
 (input RMSNorm + the fused q|k|v projection), attn_decode's body (split over the cache) and qmv_attn's body (the
 splits merged and gated inside o_proj, the residual added) as three phases of one grid, ordered through the launch's
-counters (`kernels.sync_counters`) as moe_chain orders its three. Where qmv_attn would not merge the splits (past
-attn_decode.FOLD_MAX_SPLITS, or switched off), variant attn_chain_long runs attn_combine's body and then qmv's as
-phases 2 and 3, so the chain serves every context length. Two launches fewer in each of the 10 attention layers of a
+counters (`kernels.sync_counters`) as moe_chain orders its three. Where the cache is split (FOLD_MAX_SPLITS), or
+qmv_attn is switched off, variant attn_chain_long runs attn_combine's body and then qmv's as phases 2 and 3. Two launches fewer in each of the 10 attention layers of a
 35B-A3B decode step, the GPU's work unchanged.
 
 Switch "attn_chain", opt-in: its cuda tests pass (H100 run 34).
@@ -25,6 +24,10 @@ SPEC_PARAMS = ad.SPEC_PARAMS + ("WARPS", "QTN", "BITS", "GS", "M", "K", "LANES",
 # ~1 KB a lane, so those instances keep NVRTC's choice. A block of more than 16 warps could not launch under it.
 MAX_REGISTERS = 128
 SM_REGISTERS = 64 * 1024
+# o_proj merges the splits itself (qmv_attn's body) only where there is one: each of its blocks reads every split, and
+# at 17 splits (context 64 in a 272-position cache) that phase took 19.9 us a block; merging once in a phase of its
+# own (attn_chain_long) made the launch 43.4 us instead of 60.9 (H100, run 48). Unchained, qmv_attn saves a launch.
+FOLD_MAX_SPLITS = 1
 
 
 def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: int, fold: bool,
@@ -126,7 +129,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     if unsupported(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, *heads, rows) is None:
         (B, L, K), (_, Hkv, cap, D), Hq = x.shape, keys.shape, kw["n_heads"]
         ns = ad.splits(B * L, Hkv, cap)
-        fold = fold and ns <= ad.FOLD_MAX_SPLITS
+        fold = fold and ns <= FOLD_MAX_SPLITS
         w, scales, _, bits, group_size = qkv
         wo, so, _, obits, ogs = o_proj
         p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold, key[-1])
@@ -146,8 +149,8 @@ def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, val
     """Decode tokens' attention half from the layer's input: x [B, T, K] (T new tokens: 1, or a speculative verify's
     few), norm = (input norm weight [K], eps), qkv = (w, scales, biases, bits, group_size) of the fused projection
     [q | gate per head, k, v], o_proj the same of the output projection [H, Hq*D], residual [B, T, H]; the rest as
-    ops.attention_decode takes them. fold: merge the splits inside o_proj where attn_decode.FOLD_MAX_SPLITS allows
-    (switch qmv_attn), else attn_chain_long. -> (k_new, v_new [B, Hkv, T, D], part_acc, part_ml [B*T, Hq, NS, .],
+    ops.attention_decode takes them. fold: merge the splits inside o_proj where FOLD_MAX_SPLITS allows (switch
+    qmv_attn), else attn_chain_long. -> (k_new, v_new [B, Hkv, T, D], part_acc, part_ml [B*T, Hq, NS, .],
     proj [B, T, PW], out [B, T, Hq*D] (attn_chain_long only), h [B, T, H] = residual + o_proj(attention)), or None
     if not applicable."""
     if norm is None or qkv is None or o_proj is None or residual is None:
