@@ -449,7 +449,7 @@ def test_decode_step_launches_are_traced_with_their_grids():
         assert blocks >= 1 and threads % 32 == 0 and 32 <= threads <= 1024 and smem >= 0, name
         assert f"void custom_kernel_{name}" in source, name
     chained = [n for n, *_ in tool.decode_step_launches(("moe_chain", "deltanet_chain_out", "attn_chain"), 64, NARROW)]
-    assert chained.count("moe_chain") == 4 and chained.count("deltanet_chain_out") == 3 and "attn_chain" in chained
+    assert chained.count("moe_chain") == 4 and chained.count("deltanet_chain_out") == 3 and "attn_chain_long" in chained
 
 
 def test_chain_hooks_reach_the_bodies_they_include():
