@@ -18,6 +18,7 @@ import mlx.core as mx
 import pytest
 
 from emulator import GXX, SANITIZER_ENV, SHIM_DIR, Emulator, metal_unit, run, sanitizer_flags
+from lily_mlx import ops
 from lily_mlx.ops import kernels, metal_source, qmv, reference
 
 NVCC = shutil.which("nvcc")
@@ -136,6 +137,16 @@ def _cuda_ptx(tmp_path: Path, sources: list[str]) -> tuple[int, str]:
     # 177: a variable declared and not used, as the shared entry prelude leaves in kernels that need few indices.
     return run([NVCC, "-std=c++17", "-arch=sm_90a", f"-I{tmp_path / 'include'}", "-x", "cu", "-fdevice-syntax-only",
                 "-diag-suppress", "177", "-ptx", str(unit), "-o", str(tmp_path / "kernels.ptx")])
+
+
+@pytest.mark.parametrize("device", [True, False], ids=["device_counters", "host_data"])
+def test_sync_counters_are_each_launch_s_own_zeros(device):
+    """Every call gives zeros no other call got, past one pool's worth too, with device_counters on or off."""
+    with ops.switched("device_counters", device):
+        made = [kernels.sync_counters() for _ in range(kernels.COUNTER_POOL + 3)]
+    assert len({id(a) for a in made}) == len(made)
+    assert all(a.shape == (kernels.SYNC_SLOTS,) and a.dtype == mx.int32 for a in made)
+    assert not mx.concatenate(made).any().item()
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")

@@ -175,6 +175,8 @@ register_switch("cuda_source_files", "CUDA kernel sources #included from files: 
                 default_on=False)
 register_switch("kernel_cache", "CUDA kernels built once per machine into MLX's on-disk cache, which MLX reads but "
                 "never writes for custom kernels (ops/kernel_cache.py)")
+register_switch("device_counters", "decode chains' phase counters in device memory, not managed memory the host's "
+                "writes move (kernels.sync_counters)")
 
 
 def gather_matmul_dequantized(x, w, indices, *, scales, biases, group_size: int, bits: int) -> mx.array:

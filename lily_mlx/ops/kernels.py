@@ -177,14 +177,31 @@ SYNC_SLOTS = 16  # over metal_source.MAX_CONSTANT_ARRAY_SIZE: Metal would put fe
 TRACE_FIELDS = 6  # a traced block's SM | phase << 16, start, then its ticket, resume, mark, end (ns; sync_cuda.h)
 
 
+COUNTER_POOL = 256  # counters made at once by sync_counters (64 bytes each without the trace's records)
+_counter_pool: dict[int, list] = {}
+
+
 def sync_counters() -> mx.array:
     """Fresh int32 zeros for one launch of a kernel that orders its phases through counters (lily_sync_*). Never
     shared between launches: MLX's CUDA graphs order a kernel only after the last writer of its inputs, so two
     launches that merely read the same counters can run at once and mix their tickets (two decodes of one model in
-    one eval did, H100 run 40). Made from host data: inside an mx.compile trace it is a constant of that launch site,
-    which every replay reuses, hence every launch leaves its counters zero again. Under the experiment define
-    LILY_CHAIN_TRACE=n the blocks' trace records follow the counters (bench/chain_trace.py)."""
-    return mx.array(np.zeros(SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks(), dtype=np.int32))
+    one eval did, H100 run 40). Evaluated here, so inside an mx.compile trace it is a constant of that launch site,
+    which every replay reuses, hence every launch leaves its counters zero again. Rows of one zeros array made by a
+    GPU op (switch device_counters): MLX's CUDA allocator puts arrays made from host data in managed memory, whose
+    pages move to the host whenever it writes an array beside them, and a launch's first tickets then wait for them
+    to come back. Under the experiment define LILY_CHAIN_TRACE=n the blocks' trace records follow the counters
+    (bench/chain_trace.py)."""
+    from . import enabled
+
+    n = SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks()
+    if not enabled("device_counters"):
+        return mx.array(np.zeros(n, dtype=np.int32))
+    pool = _counter_pool.setdefault(n, [])
+    if not pool:
+        zeros = mx.zeros((COUNTER_POOL, n), dtype=mx.int32)
+        pool.extend(zeros[i] for i in range(COUNTER_POOL))
+        mx.eval(pool)
+    return pool.pop()
 
 
 @functools.lru_cache(maxsize=None)
