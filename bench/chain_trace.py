@@ -9,11 +9,11 @@ goes: the tickets' ramp and latency, the wake-up after each phase, a phase's tai
 
 The steps run eagerly (every launch has counters of its own to read back), or with --compiled through the compiled
 decoder as generate runs them (each launch site's counters a constant of the trace, read after each step through a
-copy made on the GPU; only there bundled_weights applies). Counters the host last touched stall a launch's first
-tickets: in run 43 (H200, compiled steps read back directly) every block started in the first ~0.1 us got its ticket
-17.4 us later, by all appearances their page of managed memory moving back to the GPU. An eager launch's counters are
-new, written by the host, so eager phases carry that stall (run 41's ~1.5x over the compiled timeline). Needs MLX's
-CUDA backend.
+copy made on the GPU; only there bundled_weights applies). Counters in managed memory (switch device_counters off)
+stall a launch's first tickets once the host has touched their page: every block started in the first ~0.1 us got
+its ticket 6-17 us later (runs 43-49), a stall of the trace's own making, since the compiled step's kernels take as
+long without it (run 50, H100: 2,506 us a step with device_counters off, 2,522 on; tickets then 0.2-0.5 us). Needs
+MLX's CUDA backend.
 """
 
 from __future__ import annotations
