@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from . import ops
+from .ops import kernels
 
 STEP = 256
 ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
@@ -199,7 +200,7 @@ class CompiledDecoder:
     def _advance(self, tokens: mx.array, n_out: int) -> list:
         """The compiled step over tokens [B, T]: its first n_out outputs; the cache arrays kept."""
         self.kv = _with_room(self.kv, self.offset + tokens.shape[1])
-        out = self._fn(tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, self.states))
+        out = self._fn(tokens, kernels.int32_scalar(self.offset), *_flatten(self.kv, self.states))
         self.kv, self.states = _unflatten(out[n_out:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
         return out[:n_out]
@@ -257,7 +258,7 @@ class CompiledDrafter:
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         L = next_tokens.shape[-1]
         self.kv = _with_room(self.kv, self.offset + L)
-        out = self._fn(hidden, next_tokens, mx.array([self.offset], dtype=mx.int32), *_flatten(self.kv, []))
+        out = self._fn(hidden, next_tokens, kernels.int32_scalar(self.offset), *_flatten(self.kv, []))
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         self.offset += L
         return out[0]
@@ -309,7 +310,7 @@ class CompiledBatchDecoder:
             capacity = self.idx + tokens.shape[1] + STEP
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
         flat = _flatten(self.kv, self.states)
-        out = self._fn(tokens, mx.array([self.idx], dtype=mx.int32), self.left_padding, self.offset, *flat)
+        out = self._fn(tokens, kernels.int32_scalar(self.idx), self.left_padding, self.offset, *flat)
         self.offset = out[1]
         self.kv, self.states = _unflatten(out[2:], len(self.kv), len(self.states))
         self.idx += tokens.shape[1]

@@ -108,16 +108,25 @@ if [ -d .base/lily_mlx ]; then
     "python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json && cd .base && \
 $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
-# attn_chain merges a split cache inside o_proj (qmv_attn: each of its 128 blocks reads every split, 19.9 us a block at
-# context 64 in run 47, where the cache was split 17 ways for ~4 positions each); attn_chain_long merges once.
-step 60 120 "every chain on the GPU's timeline, qmv_attn off (attn_chain_long)" env LILY_MLX_ENABLE="$chains" \
-  LILY_MLX_DISABLE=qmv_attn${LILY_MLX_DISABLE:+,$LILY_MLX_DISABLE} python3 -m bench.gpu_timeline --model "$model" \
-  --context 64 4096 --json "$res/timeline_chains_long.json"
-# Where the chains' warps stall, instruction by instruction (ncu's PC sampling; the SASS page comes back as a file).
-step 60 200 "ncu source counters of the chains (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# deltanet_chain_out's B 3 float32 failure (run 46; test_chain_prefetch_cuda's plain launch): the error by batch row
-# and head, with kernel_cache on and then off.
-step 60 90 "deltanet_chain_out at B 3 float32, by row and head" bash -c "python3 kernels/scratch/deltanet_chain_out_diag.py; \
+# The attention phase's blocks spend 6.5 us before their first cache position (run 50's trace), reading the step's
+# offset and their plane first: device_scalars puts both in device memory, out of MLX's managed pool of arrays up to
+# 8 bytes, which the host writes every step. Its timeline and trace with every chain, then on vs off in the step.
+step 60 120 "every chain on the GPU's timeline, device_scalars on" env LILY_MLX_ENABLE="$chains,device_scalars" \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_scalars.json"
+step 60 150 "inside every chain, device_scalars on" env LILY_MLX_ENABLE="$chains,device_scalars" \
+  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
+  --compiled --json "$res/chain_trace_scalars.json"
+step 60 150 "decode step, device_scalars on vs off (every chain on)" env LILY_MLX_ENABLE="$chains" \
+  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch device_scalars \
+  --json "$res/decode_ab_device_scalars.json"
+# Where attn_chain's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page comes back
+# as a file). Run 48's try over 8 chain launches with more sections passed 200 s.
+step 60 240 "ncu source counters of attn_chain (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
+# deltanet_chain_out's B 3 float32 failure (runs 46-47): row 0's out and state wrong, the same in every launch, with
+# the builds the carried caches and kernel_cache gave (run 47), right with MLX's own build in an empty cache. Which
+# build: the carried caches, then kernel_cache's own build in an empty cache, then MLX's in another.
+step 60 120 "deltanet_chain_out at B 3 float32, by row and head" bash -c "python3 kernels/scratch/deltanet_chain_out_diag.py; \
+MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-kc python3 kernels/scratch/deltanet_chain_out_diag.py; \
 LILY_MLX_DISABLE=kernel_cache MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-fresh python3 kernels/scratch/deltanet_chain_out_diag.py"
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.

@@ -9,9 +9,13 @@ from lily_mlx import ops
 from lily_mlx.decode import STEP, CompiledDecoder
 
 
-@pytest.mark.parametrize("scatter", [False, True], ids=["slice-update", "kv_scatter"])
-def test_compiled_steps_equal_eager_steps_across_capacity_growth(tiny_checkpoints, scatter):
-    with ops.switched("kv_scatter", scatter):
+SWITCHES = pytest.mark.parametrize("scatter, scalars", [(False, False), (True, False), (False, True)],
+                                   ids=["slice-update", "kv_scatter", "device_scalars"])
+
+
+@SWITCHES
+def test_compiled_steps_equal_eager_steps_across_capacity_growth(tiny_checkpoints, scatter, scalars):
+    with ops.switched("kv_scatter", scatter), ops.switched("device_scalars", scalars):
         _compiled_equals_eager(tiny_checkpoints)
 
 
@@ -130,12 +134,12 @@ def test_prefill_with_query_blocked_attention_equals_one_block(tiny_checkpoints,
     assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5
 
 
-@pytest.mark.parametrize("scatter", [False, True], ids=["slice-update", "kv_scatter"])
-def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter):
+@SWITCHES
+def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
     """stacked_kv: the attention layers' caches as planes of one [P*B, Hkv, capacity, D] buffer, the step writing
     every layer's new row at once, equals the eager model across a capacity growth (batch 2), and its write-back
     hands each layer its own plane."""
-    with ops.switched("kv_scatter", scatter):
+    with ops.switched("kv_scatter", scatter), ops.switched("device_scalars", scalars):
         _stacked_equals_eager()
 
 
@@ -171,3 +175,29 @@ def _stacked_equals_eager():
             assert n == eager[i].offset and mx.array_equal(c.keys[..., :n, :], eager[i].keys[..., :n, :]).item()
     x = mx.array([[42], [7]])
     assert float(mx.abs(model(x, cache=eager) - model(x, cache=fast)).max()) <= 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chains", [False, True], ids=["defaults", "every-chain"])
+def test_device_scalars_decode_the_same_cuda(chains):
+    """The compiled decoder's steps with the offset and the attention planes in device memory (device_scalars) give
+    the logits they give without, bit for bit (the same values read from elsewhere): the embedded 4-bit model, float32,
+    every chain on or the defaults."""
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    model, _ = lily_mlx.load_model(EMBEDDED_4BIT_MODEL, dtype=mx.float32)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 2048, (1, 40)))
+    logits = {}
+    with ops.disabled():  # restores every switch afterwards
+        for name in ("moe_chain", "deltanet_chain_out", "attn_chain") if chains else ():
+            ops.set_enabled(name, True)
+        for on in (False, True):
+            ops.set_enabled("device_scalars", on)
+            cache = model.make_cache()
+            model(prompt, cache=cache)
+            dec, tok, out = CompiledDecoder(model, cache, reserve=8), prompt[:, -1:], []
+            for _ in range(6):
+                out.append(dec(tok))
+                tok = mx.argmax(out[-1], axis=-1)[:, None]
+            logits[on] = mx.stack(out)
+    assert mx.array_equal(logits[True], logits[False]).item()

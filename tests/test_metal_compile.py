@@ -139,6 +139,14 @@ def _cuda_ptx(tmp_path: Path, sources: list[str]) -> tuple[int, str]:
                 "-diag-suppress", "177", "-ptx", str(unit), "-o", str(tmp_path / "kernels.ptx")])
 
 
+@pytest.mark.parametrize("device", [True, False], ids=["device_scalars", "host_data"])
+def test_int32_scalar_holds_its_value(device):
+    with ops.switched("device_scalars", device):
+        got = [kernels.int32_scalar(v) for v in (0, 7, 4095, -3)]
+    assert all(a.shape == (1,) and a.dtype == mx.int32 for a in got)
+    assert [a.item() for a in got] == [0, 7, 4095, -3]
+
+
 @pytest.mark.parametrize("device", [True, False], ids=["device_counters", "host_data"])
 def test_sync_counters_are_each_launch_s_own_zeros(device):
     """Every call gives zeros no other call got, past one pool's worth too, with device_counters on or off."""

@@ -101,13 +101,14 @@ def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) 
 _LAUNCH: dict = {}
 
 
-_PLANES: dict = {}  # plane index -> its int32 [1] array, made once (a constant of the compiled step)
+_PLANES: dict = {}  # (plane index, device_scalars) -> its int32 [1] array, made once (a constant of the compiled step)
 
 
 def _plane_array(plane: int) -> mx.array:
-    a = _PLANES.get(plane)
+    key = (plane, enabled("device_scalars"))
+    a = _PLANES.get(key)
     if a is None:
-        a = _PLANES[plane] = mx.array([plane], dtype=mx.int32)
+        a = _PLANES[key] = kernels.int32_scalar(plane)
     return a
 
 

@@ -181,6 +181,20 @@ COUNTER_POOL = 256  # counters made at once by sync_counters (64 bytes each with
 _counter_pool: dict[int, list] = {}
 
 
+def int32_scalar(value: int) -> mx.array:
+    """[1] int32 holding `value`, which kernels read (a cache offset, a plane index). With switch device_scalars, a view
+    into 16 bytes a GPU op filled: MLX's CUDA allocator puts every array of up to 8 bytes in one pool of managed memory
+    (advised AccessedBy the GPU) and arrays made from host data in managed memory too; the host writes such a page
+    every decode step, so the kernels may read their scalars from host memory."""
+    from . import enabled
+
+    if not enabled("device_scalars"):
+        return mx.array([value], dtype=mx.int32)
+    a = mx.full((4,), value, dtype=mx.int32)[:1]
+    mx.eval(a)
+    return a
+
+
 def sync_counters() -> mx.array:
     """Fresh int32 zeros for one launch of a kernel that orders its phases through counters (lily_sync_*). Never
     shared between launches: MLX's CUDA graphs order a kernel only after the last writer of its inputs, so two
