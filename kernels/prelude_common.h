@@ -83,6 +83,10 @@ LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float
   LILY_BARRIER();
 }
 
+// An element as loaded, in its own type (not yet a float): what decltype(lily_value(p[0])) names.
+template <typename V>
+LILY_INLINE V lily_value(V v) { return v; }
+
 // Elements i .. i + 3 of p as floats.
 template <typename TP>
 LILY_INLINE float4 lily_float4(TP p, int i) {
@@ -165,18 +169,19 @@ struct lily_router_shape {
   static constexpr int RCL = (RC + 31) / 32;       // chunks per lane of a router row
   static constexpr int RR = RCL >= 4 ? 1 : 4 / RCL;  // router rows in flight per warp
 };
-template <int H, int RBITS, int RGS>
+// SV: the router's scale type; its scales and biases are kept as loaded and made floats in lily_router_dot, past the
+// caller's staging (made floats at the load, they would hold x's loads back until they came).
+template <int H, int RBITS, int RGS, typename SV>
 struct lily_router_regs {
   typedef lily_router_shape<H, RBITS, RGS> S;
   uint4 q[S::RR][S::RCL];
-  float s[S::RR][S::RCL], b[S::RR][S::RCL];
+  SV s[S::RR][S::RCL], b[S::RR][S::RCL];
 };
 
-template <int H, int RBITS, int RGS, int LS, typename TW, typename TS>
+template <int H, int RBITS, int RGS, int LS, typename TW, typename TS, typename SV>
 LILY_INLINE void lily_router_load(TW wr, TS sr, TS br, int r0, int lane,
-                                  LILY_THREAD lily_router_regs<H, RBITS, RGS>& g) {
+                                  LILY_THREAD lily_router_regs<H, RBITS, RGS, SV>& g) {
   typedef lily_router_shape<H, RBITS, RGS> S;
-  constexpr float RQSCALE = static_cast<float>(1 << RBITS);
   static_assert(RBITS == 4 || RBITS == 8, "router: RBITS must be 4 or 8");
   static_assert(H % RGS == 0 && RGS % S::RCPC == 0, "router: a chunk must lie inside one group");
   LILY_UNROLL
@@ -187,19 +192,19 @@ LILY_INLINE void lily_router_load(TW wr, TS sr, TS br, int r0, int lane,
       const int kc = j * 32 + lane;
       if (kc < S::RC) {
         const int grp = r * S::RNG + (kc * S::RCPC) / RGS;
-        const float sc = lily_float(sr[grp]);
         g.q[i][j] = LILY_LDG_U4(wr, r * S::RC + kc);
-        g.s[i][j] = RQSCALE * sc;
-        g.b[i][j] = lily_float(br[grp]) - RQSCALE * sc;
+        g.s[i][j] = sr[grp];
+        g.b[i][j] = br[grp];
       }
     }
   }
 }
 
-template <typename T, int H, int CPC, int RBITS, int RGS, typename TO>
-LILY_INLINE void lily_router_dot(LILY_TG_PTR const float4* xs4, LILY_THREAD const lily_router_regs<H, RBITS, RGS>& g,
+template <typename T, int H, int CPC, int RBITS, int RGS, typename TO, typename SV>
+LILY_INLINE void lily_router_dot(LILY_TG_PTR const float4* xs4, LILY_THREAD const lily_router_regs<H, RBITS, RGS, SV>& g,
                                  int r0, int end, TO out, int lane) {
   typedef lily_router_shape<H, RBITS, RGS> S;
+  constexpr float RQSCALE = static_cast<float>(1 << RBITS);
   constexpr int F4C = CPC / 4;
   constexpr int RF4 = S::RCPC / 4;  // float4s of x' per router chunk
   float racc[S::RR];
@@ -223,8 +228,10 @@ LILY_INLINE void lily_router_dot(LILY_TG_PTR const float4* xs4, LILY_THREAD cons
         xs += (v.x + v.y) + (v.z + v.w);
       }
       LILY_UNROLL
-      for (int i = 0; i < S::RR; ++i)
-        racc[i] = LILY_FMA(g.s[i][j], lily_qdot16<RBITS>(g.q[i][j], xr), LILY_FMA(g.b[i][j], xs, racc[i]));
+      for (int i = 0; i < S::RR; ++i) {
+        const float sc = RQSCALE * lily_float(g.s[i][j]);
+        racc[i] = LILY_FMA(sc, lily_qdot16<RBITS>(g.q[i][j], xr), LILY_FMA(lily_float(g.b[i][j]) - sc, xs, racc[i]));
+      }
     }
   }
   LILY_UNROLL
@@ -241,7 +248,7 @@ LILY_INLINE void lily_router_rows(TW wr, TS sr, TS br, LILY_TG_PTR const float4*
                                   int warp, int lane) {
   constexpr int RR = lily_router_shape<H, RBITS, RGS>::RR;
   for (int r0 = first + warp * RR; r0 < end; r0 += WARPS * RR) {
-    lily_router_regs<H, RBITS, RGS> g;
+    lily_router_regs<H, RBITS, RGS, decltype(lily_value(sr[0]))> g;
     lily_router_load<H, RBITS, RGS, LS>(wr, sr, br, r0, lane, g);
     lily_router_dot<T, H, CPC, RBITS, RGS>(xs4, g, r0, end, out, lane);
   }
