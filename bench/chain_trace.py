@@ -1,6 +1,6 @@
 """Inside a decode step's chained kernels: each block's SM and phase, when it started, took its ticket, resumed after
-the phase before, passed its mark (the x row staged, its weight loads issued, or the attention's new rows ready) and ended, by the GPU's
-%globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
+the phase before, passed its mark (the x row staged, its weight loads issued, or the attention's new rows ready) and
+ended, by the GPU's %globaltimer (experiment define LILY_CHAIN_TRACE, sync_cuda.h).
 The timeline (run 38) has every chain slower than the kernels it replaces; this shows where inside it the time
 goes: the tickets' ramp and latency, the wake-up after each phase, a phase's tail, or the blocks' own work.
 
@@ -30,8 +30,9 @@ def phases(records: np.ndarray) -> dict:
     """records [blocks, 6] int32 of one launch (SM | phase << 16, start time, then ticket, resume, mark and end after
     it; ns, the start mod 2^32) -> the launch's span and, per phase, its blocks and SMs, the first and last start,
     the first and last resume (after the wait), the last end, a block's mean ticket latency (start to ticket), time
-    after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready) and after its wait to its end, and the
-    wake-up (first resume after the phase before's last end); times in us from the launch's first start."""
+    after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready) and after
+    its wait to its end, and the wake-up (first resume after the phase before's last end); times in us from the
+    launch's first start."""
     sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
     t = records[:, 1].astype(np.int64)
     t = (t - t[0] + 2**31) % 2**32 - 2**31  # the low 32 bits wrap every 4.3 s

@@ -2,8 +2,8 @@
 (input RMSNorm + the fused q|k|v projection), attn_decode's body (split over the cache) and qmv_attn's body (the
 splits merged and gated inside o_proj, the residual added) as three phases of one grid, ordered through the launch's
 counters (`kernels.sync_counters`) as moe_chain orders its three. Where the cache is split (FOLD_MAX_SPLITS), or
-qmv_attn is switched off, variant attn_chain_long runs attn_combine's body and then qmv's as phases 2 and 3. Two launches fewer in each of the 10 attention layers of a
-35B-A3B decode step, the GPU's work unchanged.
+qmv_attn is switched off, variant attn_chain_long runs attn_combine's body and then qmv's as phases 2 and 3. Two
+launches fewer in each of the 10 attention layers of a 35B-A3B decode step, the GPU's work unchanged.
 
 Switch "attn_chain", opt-in: its cuda tests pass (H100 run 34).
 """

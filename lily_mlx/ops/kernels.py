@@ -202,8 +202,8 @@ def sync_counters() -> mx.array:
     one eval did, H100 run 40). Evaluated here, so inside an mx.compile trace it is a constant of that launch site,
     which every replay reuses, hence every launch leaves its counters zero again. Rows of one zeros array made by a
     GPU op (switch device_counters): MLX's CUDA allocator puts arrays made from host data in managed memory, whose
-    pages the host's reads move (bench/chain_trace.py's readback stalled the first tickets 6-17 us). Under the experiment define LILY_CHAIN_TRACE=n the blocks' trace records follow the counters
-    (bench/chain_trace.py)."""
+    pages the host's reads move (bench/chain_trace.py's readback stalled the first tickets 6-17 us). Under the
+    experiment define LILY_CHAIN_TRACE=n the blocks' trace records follow the counters (bench/chain_trace.py)."""
     from . import enabled
 
     n = SYNC_SLOTS + TRACE_FIELDS * chain_trace_blocks()
