@@ -109,6 +109,7 @@ def _plane_array(plane: int) -> mx.array:
     a = _PLANES.get(key)
     if a is None:
         a = _PLANES[key] = kernels.int32_scalar(plane)
+        mx.eval(a)  # a constant of the compiled step, not an op replayed in it
     return a
 
 

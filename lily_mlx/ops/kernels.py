@@ -183,16 +183,16 @@ _counter_pool: dict[int, list] = {}
 
 def int32_scalar(value: int) -> mx.array:
     """[1] int32 holding `value`, which kernels read (a cache offset, a plane index). With switch device_scalars, a view
-    into 16 bytes a GPU op filled: MLX's CUDA allocator puts every array of up to 8 bytes in one pool of managed memory
-    (advised AccessedBy the GPU) and arrays made from host data in managed memory too; the host writes such a page
-    every decode step, so the kernels may read their scalars from host memory."""
+    into 16 bytes a GPU op fills, unevaluated (a decode step's offset is filled in that step's own graph, so the host
+    does not wait for the GPU; a constant is the caller's to evaluate): MLX's CUDA allocator puts every array of up to
+    8 bytes in one pool of managed memory (advised AccessedBy the GPU) and arrays made from host data in managed
+    memory too; the host writes such a page every decode step, so the kernels may read their scalars from host
+    memory."""
     from . import enabled
 
     if not enabled("device_scalars"):
         return mx.array([value], dtype=mx.int32)
-    a = mx.full((4,), value, dtype=mx.int32)[:1]
-    mx.eval(a)
-    return a
+    return mx.full((4,), value, dtype=mx.int32)[:1]
 
 
 def sync_counters() -> mx.array:
