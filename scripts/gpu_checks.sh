@@ -14,7 +14,8 @@
 # 15 MB): copied to .ptx-cache/ here and carried (carry [".device", ".ptx-cache"]), the next machine starts with it,
 # and with .ptx-cache/lily-kernels.tar.xz (scripts/prebuild_kernels.py) where it exists.
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
-# step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments.
+# step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments;
+# AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -108,17 +109,17 @@ if [ -d .base/lily_mlx ]; then
     "python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json && cd .base && \
 $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
-# The attention phase's blocks spend 6.5 us before their first cache position (run 50's trace), reading the step's
-# offset and their plane first: device_scalars puts both in device memory, out of MLX's managed pool of arrays up to
-# 8 bytes, which the host writes every step. Its timeline and trace with every chain, then on vs off in the step.
-step 60 120 "every chain on the GPU's timeline, device_scalars on" env LILY_MLX_ENABLE="$chains,device_scalars" \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_scalars.json"
-step 60 150 "inside every chain, device_scalars on" env LILY_MLX_ENABLE="$chains,device_scalars" \
-  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
-  --compiled --json "$res/chain_trace_scalars.json"
-step 60 150 "decode step, device_scalars on vs off (every chain on)" env LILY_MLX_ENABLE="$chains" \
-  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch device_scalars \
-  --json "$res/decode_ab_device_scalars.json"
+# MLX's dynamic slice update launches its copy over the whole stacked cache (10 layers): with every chain it took
+# 120 us twice a step at context 4096 (run 51), 7% of the kernels. kv_scatter writes only the new rows.
+step 60 120 "every chain on the GPU's timeline, kv_scatter on" env LILY_MLX_ENABLE="$chains,kv_scatter" \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_kv_scatter.json"
+step 60 150 "decode step, kv_scatter on vs off (every chain on)" env LILY_MLX_ENABLE="$chains" \
+  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch kv_scatter \
+  --json "$res/decode_ab_kv_scatter_chains.json"
+# device_scalars (on since run 51) adds two primitives a step outside the compiled graph: the defaults are bound by
+# MLX's dispatch.
+step 60 110 "decode step, device_scalars on vs off (defaults)" python3 -m bench.profile_decode --model "$model" \
+  --context 64 4096 --steps 16 --no-ops --ab-switch device_scalars --json "$res/decode_ab_device_scalars.json"
 # Where attn_chain's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page comes back
 # as a file). Run 48's try over 8 chain launches with more sections passed 200 s.
 step 60 240 "ncu source counters of attn_chain (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
@@ -140,8 +141,8 @@ step 60 120 "cuda tests of the chains' prefetch" python3 -m pytest -q -m cuda -n
 step 60 120 "every chain on the GPU's timeline, chain_prefetch on" env LILY_MLX_ENABLE="$chains,chain_prefetch" \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_prefetch.json"
 # Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults and every chain.
-step 100 240 "A/B against stock at 256 and 4096 (defaults, every chain)" python3 -m bench.ab --model "$model" \
-  -p 256 4096 -g 64 -n 2 --arms "stock,lily,lily-with-${chains//,/+}" --no-progress --json "$res/ab_decode.json" \
+step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, every chain)" python3 -m bench.ab --model "$model" \
+  -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-with-${chains//,/+}}" --no-progress --json "$res/ab_decode.json" \
   --markdown "$res/ab_decode.md"
 # Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
 # chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
