@@ -59,8 +59,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-trials", "-n", type=int, default=5, help="timed rounds per row (>= 2)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed trials per arm before each row's rounds")
     ap.add_argument("--arms", default="stock,lily",
-                    help="comma list: stock, lily, lily-model+stock-loop, stock-model+lily-loop, lily-no-<switch>, "
-                         "lily-no-each (one arm per kernel switch), lily-with-<switch>[+<switch>...] (default-off kernels on)")
+                    help="comma list: stock, lily, lily-model+stock-loop, stock-model+lily-loop, "
+                         "lily-no-<switch>[+<switch>...] (switches off), lily-no-each (one arm per kernel switch), "
+                         "lily-with-<switch>[+<switch>...] (default-off switches on)")
     ap.add_argument("--max-drift", type=float, default=0.03, help="refuse a row whose rounds spread more than this")
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--dtype", choices=arm_mod.DTYPES,

@@ -3,9 +3,9 @@ sends (JSON lines on stdin) and answer each with a JSON line on the original std
 libraries print goes to stderr.
 
 Arms: `stock` (mlx_lm.load + mlx-lm's loop), `lily` (lily_mlx.load + lily_mlx.generate), the hybrids
-`lily-model+stock-loop` and `stock-model+lily-loop`, `lily-no-<switch>` (lily with one kernel switch
-of lily_mlx.ops.KERNEL_NAMES off, through LILY_MLX_DISABLE), and `lily-with-<switch>[+<switch>...]` (lily with
-kernels that are off by default opted in, through LILY_MLX_ENABLE). Both loops are called with mlx-lm 0.32.2's
+`lily-model+stock-loop` and `stock-model+lily-loop`, `lily-no-<switch>[+<switch>...]` (lily with
+switches of lily_mlx.ops.KERNEL_NAMES off, through LILY_MLX_DISABLE), and `lily-with-<switch>[+<switch>...]` (lily
+with switches that are off by default opted in, through LILY_MLX_ENABLE). Both loops are called with mlx-lm 0.32.2's
 signatures: stream_generate for batch 1, batch_generate above.
 """
 
@@ -40,22 +40,22 @@ class ArmError(ValueError):
     pass
 
 
-def parse_arm(name: str) -> tuple[str, str, Optional[str], tuple[str, ...]]:
-    """Arm name -> (model engine, loop engine, kernel switch turned off or None, switches opted into)."""
+def parse_arm(name: str) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    """Arm name -> (model engine, loop engine, kernel switches turned off, switches opted into)."""
     if name in ARMS:
-        return (*ARMS[name], None, ())
-    if name.startswith(NO_PREFIX) and len(name) > len(NO_PREFIX):
-        return "lily", "lily", name[len(NO_PREFIX):], ()
+        return (*ARMS[name], (), ())
+    if name.startswith(NO_PREFIX) and all(name[len(NO_PREFIX):].split("+")):
+        return "lily", "lily", tuple(name[len(NO_PREFIX):].split("+")), ()
     if name.startswith(WITH_PREFIX) and all(name[len(WITH_PREFIX):].split("+")):
-        return "lily", "lily", None, tuple(name[len(WITH_PREFIX):].split("+"))
-    raise ArmError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}, {NO_PREFIX}<switch> for a kernel switch off, "
-                   f"or {WITH_PREFIX}<switch>[+<switch>...] for default-off kernels on")
+        return "lily", "lily", (), tuple(name[len(WITH_PREFIX):].split("+"))
+    raise ArmError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}, {NO_PREFIX}<switch>[+<switch>...] for switches "
+                   f"off, or {WITH_PREFIX}<switch>[+<switch>...] for default-off switches on")
 
 
 def arm_env(name: str) -> dict[str, str]:
     """Environment an arm's process runs under; the parent's own switches never leak into an arm."""
     _, _, off, on = parse_arm(name)
-    return {"LILY_MLX_DISABLE": off or "", "LILY_MLX_ENABLE": ",".join(on)}
+    return {"LILY_MLX_DISABLE": ",".join(off), "LILY_MLX_ENABLE": ",".join(on)}
 
 
 LILY_LOOP_MISSING = (
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         proto.flush()
 
     try:
-        model_engine, loop_engine, switch, opted_in = parse_arm(args.arm)
+        model_engine, loop_engine, switched_off, opted_in = parse_arm(args.arm)
         loop = loop_module(loop_engine)
         t0 = time.perf_counter()
         model, tokenizer = load(model_engine, args.model, args.dtype)
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         if "lily" in (model_engine, loop_engine):  # the stock arm never imports lily_mlx
             from lily_mlx import ops
 
-            if switch is not None:
+            for switch in switched_off:
                 if switch != "all" and switch not in ops.KERNEL_NAMES:
                     raise ArmError(f"arm {args.arm}: no kernel switch {switch!r} on backend {ops.backend()}; "
                                    f"registered: {sorted(ops.KERNEL_NAMES) or 'none'}")

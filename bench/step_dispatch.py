@@ -38,9 +38,10 @@ NARROW = dict(hidden_size=128, vocab_size=1024, num_attention_heads=4, num_key_v
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
               num_experts=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 CHAINS = ("moe_chain", "deltanet_chain_out", "attn_chain")
-CONFIGS = {"defaults": (), "packed_weights": ("packed_weights",), "chains": CHAINS,
+SWITCHES = CHAINS + ("packed_weights", "bundled_weights")  # each configuration's are on, the others off
+CONFIGS = {"unchained": (), "packed_weights": ("packed_weights",), "chains": CHAINS,
            "chains+packed_weights": CHAINS + ("packed_weights",),
-           "chains+packed+bundled": CHAINS + ("packed_weights", "bundled_weights")}
+           "chains+packed+bundled": SWITCHES}  # the CUDA defaults
 
 
 def layer_stack():
@@ -96,8 +97,9 @@ def decoder(model, switches: tuple, capacity: int) -> tuple:
         return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, *rest)
 
     with contextlib.ExitStack() as stack:
-        for n in switches:
-            stack.enter_context(ops.switched(n, True))
+        stack.enter_context(ops.disabled())  # restores every switch afterwards
+        for n in SWITCHES:
+            ops.set_enabled(n, n in switches)
         dec = CompiledDecoder(model, cache, reserve=capacity)
         with mock.patch.object(kernels, "launch", counted):
             mx.eval(dec(mx.array([[1]])))  # the trace

@@ -28,14 +28,14 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
 
 
 # MLX's CPU cost per decode step grows with its graph's constants and kernel inputs (bench/step_dispatch.py); packed,
-# a quantized weight is one of each instead of three. Opt-in: its cuda test passes (H100 run 34) and its A/B was
-# within the host's noise (run 35).
+# a quantized weight is one of each instead of three. On by default on CUDA with the decode chains
+# (ops.one_row_or_opted_in), as they were measured; opt-in on Metal.
 ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
-                    "decode kernels as one input", default_on=False)
+                    "decode kernels as one input", default_on="cuda")
 # Further: every constant input of a decode chain launch (a layer's weights and norms) in one array, so a chain
-# launch takes 3-10 inputs instead of 10-14 and the step ~175 constants instead of ~675. Opt-in like packed_weights.
+# launch takes 3-10 inputs instead of 10-14 and the step ~175 constants instead of ~675. As packed_weights.
 ops.register_switch("bundled_weights", "each decode chain launch's constant inputs (packed weights, norm weights, "
-                    "DeltaNet conv weight, A_log, dt_bias) in one array, read as one input", default_on=False)
+                    "DeltaNet conv weight, A_log, dt_bias) in one array, read as one input", default_on="cuda")
 
 
 # New tokens after a cache that already holds some take the decode kernels (each DeltaNet or attention layer one

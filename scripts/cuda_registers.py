@@ -133,9 +133,9 @@ def nvcc_include() -> Path:
 def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None,
                          sms: int = 132) -> list[tuple]:
     """(kernel, grid blocks, block threads, dynamic shared bytes, full CUDA source) of each launch of one compiled
-    decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches`, traced
-    on the CPU as the CUDA path builds it on a GPU of `sms` multiprocessors, with a cache of capacity about
-    `context`."""
+    decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches` (names
+    on, "-name" off, the rest as CUDA's defaults), traced on the CPU as the CUDA path builds it on a GPU of `sms`
+    multiprocessors, with a cache of capacity about `context`."""
     import contextlib
     from unittest import mock
 
@@ -167,8 +167,8 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
         return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
 
     with contextlib.ExitStack() as stack:
-        for n in switches:
-            stack.enter_context(ops.switched(n, True))
+        for n in switches:  # "-name": off
+            stack.enter_context(ops.switched(n.removeprefix("-"), not n.startswith("-")))
         stack.enter_context(mock.patch.object(kernels, "launch", standin))
         stack.enter_context(mock.patch.object(ops, "backend", lambda: "cuda"))
         stack.enter_context(mock.patch.object(kernels, "sm_count", lambda: sms))
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--where", default="True", help="a Python condition on the template arguments")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--decode-step", action="store_true", help="the launches of one 35B-shaped decode step instead")
-    ap.add_argument("--enable", default="", help="--decode-step: switches on, comma-separated")
+    ap.add_argument("--enable", default="", help="--decode-step: switches on (-name: off), comma-separated")
     ap.add_argument("--context", type=int, default=64, help="--decode-step: the cache's capacity, about")
     ap.add_argument("--sms", type=int, default=132, help="--decode-step: the GPU's SMs (H100 SXM and H200: 132)")
     a = ap.parse_args(argv)

@@ -92,8 +92,12 @@ PY
 fi
 echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 # Issue 4: a pipelined decode step on the GPU's own timeline (CUPTI kernel records through torch.profiler): the
-# defaults are bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its parts.
+# unchained step is bound by MLX's dispatch, every chain by its kernels (run 38), and a chain takes longer than its
+# parts. Since the twenty-fourth session every chain (with packed, bundled weights and kv_scatter) is CUDA's default
+# at one row: LILY_MLX_ENABLE="$chains" names them for trees before that (.base), LILY_MLX_DISABLE="$unchained" is
+# the unchained step.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
+unchained=$chains,kv_scatter
 step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
 # The same step and the defaults' in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
@@ -105,9 +109,9 @@ if [ -d .base/lily_mlx ]; then
     bash -c "cd .base && python3 -m bench.gpu_timeline --model $model --context 64 4096 --json $res/timeline_chains_base.json"
   step 60 120 "every chain on the GPU's timeline, again (the order's effect)" env LILY_MLX_ENABLE="$chains" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_chains_again.json"
-  step 60 120 "decode step on the GPU's timeline (defaults), this tree and .base's" bash -c \
-    "python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json && cd .base && \
-$base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
+  step 60 120 "decode step on the GPU's timeline (unchained), this tree and .base's" bash -c \
+    "LILY_MLX_DISABLE=$unchained python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json \
+&& cd .base && $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
 # MLX's dynamic slice update launches its copy over the whole stacked cache (10 layers): with every chain it took
 # 120 us twice a step at context 4096 (run 51), 7% of the kernels. kv_scatter writes only the new rows.
@@ -123,12 +127,12 @@ step 60 110 "decode step, device_scalars on vs off (defaults)" python3 -m bench.
 # Where attn_chain's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page comes back
 # as a file). Run 48's try over 8 chain launches with more sections passed 200 s.
 step 60 240 "ncu source counters of attn_chain (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# deltanet_chain_out's B 3 float32 failure (runs 46-47): row 0's out and state wrong, the same in every launch, with
-# the builds the carried caches and kernel_cache gave (run 47), right with MLX's own build in an empty cache. Which
-# build: the carried caches, then kernel_cache's own build in an empty cache, then MLX's in another.
-step 60 120 "deltanet_chain_out at B 3 float32, by row and head" bash -c "python3 kernels/scratch/deltanet_chain_out_diag.py; \
-MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-kc python3 kernels/scratch/deltanet_chain_out_diag.py; \
-LILY_MLX_DISABLE=kernel_cache MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-fresh python3 kernels/scratch/deltanet_chain_out_diag.py"
+# deltanet_chain_out's B 3 float32 failure (runs 46-47, 51, 55, 57): the kernel is right; the tests' CPU reference, made
+# from the GPU's arrays with the mixer's compiled pieces, was wrong in one row in 3 of 4 processes (run 57). The
+# reference now starts from host copies with plain ops: four fresh processes, each printing the rows the new and the
+# old reference get wrong.
+step 60 120 "deltanet_chain_out at B 3 float32: the reference, new and old, in 4 processes" bash -c \
+  "for i in 1 2 3 4; do python3 kernels/scratch/deltanet_chain_out_diag.py 2>&1 | grep -A9 'B3.*with_out=True'; done"
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
 step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
@@ -140,9 +144,10 @@ step 60 120 "cuda tests of the chains' prefetch" python3 -m pytest -q -m cuda -n
   tests/test_moe_chain.py tests/test_deltanet_chain.py tests/test_attn_chain.py
 step 60 120 "every chain on the GPU's timeline, chain_prefetch on" env LILY_MLX_ENABLE="$chains,chain_prefetch" \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_prefetch.json"
-# Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults and every chain.
-step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, every chain)" python3 -m bench.ab --model "$model" \
-  -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-with-${chains//,/+}}" --no-progress --json "$res/ab_decode.json" \
+# Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults (every chain)
+# and the unchained step. Three arms: a fourth ran out of memory on an 80 GB H100 (run 52).
+step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)" python3 -m bench.ab --model "$model" \
+  -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-no-${unchained//,/+}}" --no-progress --json "$res/ab_decode.json" \
   --markdown "$res/ab_decode.md"
 # Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
 # chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
@@ -249,14 +254,14 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
 # the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.
 # Only the second run's decode steps are profiled (--profile-from-start off), so the DRAM metric's replays stay cheap;
 # caches are not flushed between kernels (run 36 flushed them: ~2x a small qmv's time in back-to-back replays).
-chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
-for cfg in "64:" "64:$chains" "4096:" "4096:$chains"; do
-  c=${cfg%%:*} enable=${cfg#*:}
-  step 60 100 "ncu kernel times of decode steps, context $c${enable:+, every chain}" bash -c "env ${enable:+LILY_MLX_ENABLE=$enable} \
+for cfg in "64:$unchained" "64:" "4096:$unchained" "4096:"; do
+  c=${cfg%%:*} disable=${cfg#*:}
+  label=${disable:+unchained}
+  step 60 100 "ncu kernel times of decode steps, context $c, ${label:=every chain}" bash -c "env ${disable:+LILY_MLX_DISABLE=$disable} \
 ncu --profile-from-start off --cache-control none --clock-control none --print-units base --csv --metrics \
 gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
-python3 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c$enable.csv 2>/dev/null; \
-python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c$enable.csv --decode | tee $res/ncu_decode_$c${enable:+_chains}.txt"
+python3 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c${label// /_}.csv 2>/dev/null; \
+python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c${label// /_}.csv --decode | tee $res/ncu_decode_${c}_${label// /_}.txt"
 done
 # MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
 # cuda_source_files (short #include stubs: 0.2 MB) on vs off with every chain on, packed and bundled.

@@ -185,9 +185,9 @@ def test_blocks_fit_the_register_cap():
 
 
 def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
-    """ops.attention_decode_add: attn_chain is opt-in, needs a source and attn_decode and qmv on, folds the merge into
-    o_proj for an unsplit cache with qmv_attn on and takes attn_chain_long for a split one or with qmv_attn off; the
-    projection is then never built. Declined, the unchained path runs on the built projection."""
+    """ops.attention_decode_add: attn_chain is on by default on CUDA, needs a source and attn_decode and qmv on, folds
+    the merge into o_proj for an unsplit cache with qmv_attn on and takes attn_chain_long for a split one or with
+    qmv_attn off; the projection is then never built. Declined, the unchained path runs on the built projection."""
     launched, built = [], []
 
     def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
@@ -209,7 +209,9 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
         assert h.shape == (1, 1, 96) and k_new.shape == v_new.shape == (1, 2, 1, 256)
         return list(launched), len(built)
 
-    assert run(256) == (["attn_decode", "qmv_attn"], 1)  # off by default
+    with ops.switched("attn_chain", False):
+        assert run(256) == (["attn_decode", "qmv_attn"], 1)
+    assert run(256) == (["attn_chain_long"], 0)  # on by default
     with ops.switched("attn_chain", True):
         assert run(32) == (["attn_chain"], 0)
         assert run(256) == (["attn_chain_long"], 0)  # unchained, this cache's 17 splits would fold (qmv_attn)

@@ -164,6 +164,20 @@ def test_bench_matrix_stock_vs_lily(tmp_path, tiny_bf16):
     assert (tmp_path / "again.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_arm_names_switch_kernels_off_and_on():
+    """lily-no-a+b switches a and b off, lily-with-a+b opts them in, each through its process's environment only;
+    a malformed name is refused by name."""
+    from bench import arm
+
+    assert arm.arm_env("lily-no-moe_chain+attn_chain") == {"LILY_MLX_DISABLE": "moe_chain,attn_chain",
+                                                           "LILY_MLX_ENABLE": ""}
+    assert arm.arm_env("lily-with-deltanet_chain") == {"LILY_MLX_DISABLE": "", "LILY_MLX_ENABLE": "deltanet_chain"}
+    assert arm.arm_env("stock") == {"LILY_MLX_DISABLE": "", "LILY_MLX_ENABLE": ""}
+    for bad in ("lily-no-", "lily-no-a++b", "lily-with-", "lily-fast"):
+        with pytest.raises(arm.ArmError, match=bad.replace("+", r"\+")):
+            arm.parse_arm(bad)
+
+
 def test_bench_refuses_a_row_on_forced_drift(tmp_path, tiny_bf16, monkeypatch):
     # Round 2 of the stock arm is timed 1000x slower: two rounds spread at most 200%, and 190% needs a
     # natural slowdown of 39x.
@@ -374,8 +388,8 @@ def test_step_dispatch_counts_and_times_every_configuration(tmp_path):
     assert step_dispatch.main(["--rounds", "1", "--steps", "3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == set(step_dispatch.CONFIGS)
-    assert rows["packed_weights"]["launches"] == rows["defaults"]["launches"] > rows["chains"]["launches"]
-    assert rows["defaults"]["kernel_inputs"] - rows["packed_weights"]["kernel_inputs"] == 724
+    assert rows["packed_weights"]["launches"] == rows["unchained"]["launches"] > rows["chains"]["launches"]
+    assert rows["unchained"]["kernel_inputs"] - rows["packed_weights"]["kernel_inputs"] == 724
     assert rows["chains"]["kernel_inputs"] - rows["chains+packed_weights"]["kernel_inputs"] == 724
     assert rows["chains+packed_weights"]["kernel_inputs"] - rows["chains+packed+bundled"]["kernel_inputs"] == 500
     assert all(0 < r["source_kb_via_files"] < r["source_kb"] / 8 for r in rows.values())

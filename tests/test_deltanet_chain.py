@@ -178,9 +178,10 @@ def test_chain_is_opt_in_and_falls_back(monkeypatch):
         assert decode()[0].item() == 1 and built == [1, 1, 1]
 
 
-def test_chain_out_is_opt_in_and_needs_its_kernels(monkeypatch):
-    """ops.deltanet_decode_add tries deltanet_chain_out only when it is on and deltanet_step and qmv are not switched
-    off (ablation); otherwise, or declined, it returns None and the layer runs the step and its projection."""
+def test_chain_out_is_on_for_cuda_and_needs_its_kernels(monkeypatch):
+    """ops.deltanet_decode_add tries deltanet_chain_out only when it is on (by default on CUDA, opt-in on Metal) and
+    deltanet_step and qmv are not switched off (ablation); otherwise, or declined, it returns None and the layer runs
+    the step and its projection."""
     case, K, bits, gs = OUT_CASES[0]
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
     result, seen = (mx.zeros((1,)),) * 3, []
@@ -192,13 +193,34 @@ def test_chain_out_is_opt_in_and_needs_its_kernels(monkeypatch):
         return ops.deltanet_decode_add(x, norm, in_proj, out_proj, x, params[0], conv_state, params[1], params[2],
                                        params[3], state, num_key_heads=case.Hk, eps=case.eps)
 
-    assert decode() is None and not seen
+    with ops.switched("deltanet_chain_out", False):
+        assert decode() is None and not seen
+    assert decode() is result and seen[0]["out_proj"] is out_proj and seen[0]["residual"] is x
+    for off in ("deltanet_step", "qmv"):
+        with ops.switched(off, False):
+            assert decode() is None
+    assert len(seen) == 1
+    monkeypatch.setattr(ops, "backend", lambda: "metal")
+    assert decode() is None and len(seen) == 1
     with ops.switched("deltanet_chain_out", True):
-        assert decode() is result and seen[0]["out_proj"] is out_proj and seen[0]["residual"] is x
-        for off in ("deltanet_step", "qmv"):
-            with ops.switched(off, False):
-                assert decode() is None
-        assert len(seen) == 1
+        assert decode() is result and len(seen) == 2
+
+
+def test_chains_take_one_row_unless_opted_in(monkeypatch):
+    """On by default, a decode chain takes one row of one token (what was measured) and declines more, which the
+    unchained kernels then run; opted into by name it takes any rows."""
+    case, K, bits, gs = MODEL[1]  # B 3
+    x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
+    calls = []
+    monkeypatch.setattr(dc, "step", lambda x, *a, **k: calls.append(x.shape) or (mx.zeros((1,)),) * 5)
+    monkeypatch.setattr(ops, "backend", lambda: "cuda")
+    run = lambda x: dc._dispatch_out(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
+                                     num_key_heads=case.Hk, eps=case.eps)
+    assert run(x) is None and run(x.swapaxes(0, 1)) is None and not calls  # [3, 1, K], [1, 3, K]: three rows
+    assert run(x[:1]) is not None and calls == [(1, 1, K)]
+    with ops.switched("deltanet_chain_out", True):
+        assert run(x) is not None and calls[-1] == x.shape
+    assert ops.one_row_or_opted_in("moe_chain", x[0]) and not ops.one_row_or_opted_in("moe_chain", x[:2, 0])
 
 
 def _gpu(backend, case, K, bits, gs, with_out=False):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
@@ -71,16 +72,27 @@ class Case:
         return proj, mask
 
 
+def _host(a):
+    """A copy of `a` made from host data (bf16 through float32, exactly)."""
+    if a is None:
+        return None
+    return mx.array(np.array(a.astype(F32) if a.dtype == BF16 else a)).astype(a.dtype)
+
+
 def _composition(case, tok, params, conv_state, state, upcast):
-    """The CPU reference path; upcast: in float32 from the same values (conv weight rounded to the
-    activation dtype first, as the reference does)."""
+    """The CPU reference path, from host copies of the inputs and with the mixer's plain ops (not its mx.compile'd
+    pieces); upcast: in float32 from the same values (conv weight rounded to the activation dtype first, as the
+    reference does). On an H100 the reference from the GPU's arrays, compiled pieces on, came out wrong in one batch
+    row in 3 of 4 processes while the kernel was right (run 57; kernels/scratch/deltanet_chain_out_diag.py)."""
     proj, mask = tok
     conv_w, A_log, dt_bias, norm_w = params
-    if upcast:
-        conv_w = conv_w.astype(proj.dtype)
-        proj, conv_w, A_log, dt_bias, norm_w, conv_state = (
-            x.astype(F32) for x in (proj, conv_w, A_log, dt_bias, norm_w, conv_state))
-    with mx.stream(mx.cpu):
+    with mx.stream(mx.cpu), ops.switched("compiled_mixer", False):
+        proj, mask, conv_w, A_log, dt_bias, norm_w, conv_state, state = (
+            _host(x) for x in (proj, mask, conv_w, A_log, dt_bias, norm_w, conv_state, state))
+        if upcast:
+            conv_w = conv_w.astype(proj.dtype)
+            proj, conv_w, A_log, dt_bias, norm_w, conv_state = (
+                x.astype(F32) for x in (proj, conv_w, A_log, dt_bias, norm_w, conv_state))
         out = ops.deltanet_mix(proj, conv_w, conv_state, A_log, dt_bias, norm_w, state,
                                num_key_heads=case.Hk, eps=case.eps, mask=mask)
         mx.eval(out)

@@ -455,20 +455,22 @@ def test_occupancy_follows_the_sm90_limits():
 
 
 def test_decode_step_launches_are_traced_with_their_grids():
-    """--decode-step's trace (narrow widths here): every kernel of a default decode step, in order, each with the
-    blocks and threads its dispatcher launches and a complete CUDA source; the chained step launches the chains."""
+    """--decode-step's trace (narrow widths here): every kernel of an unchained, unpacked decode step, in order, each
+    with the blocks and threads its dispatcher launches and a complete CUDA source; the default step launches the
+    chains."""
     tool = _register_tool()
-    from bench.step_dispatch import NARROW
+    from bench.step_dispatch import NARROW, SWITCHES
 
-    launched = tool.decode_step_launches((), 64, NARROW)
+    launched = tool.decode_step_launches(tuple("-" + n for n in SWITCHES), 64, NARROW)
     names = [n for n, *_ in launched]
     assert {"qmv", "deltanet_step", "moe_gate_up", "moe_down_combine", "attn_decode"} <= set(names)
     assert names.count("moe_gate_up") == 4 and names.count("deltanet_step") == 3
     for name, blocks, threads, smem, source in launched:
         assert blocks >= 1 and threads % 32 == 0 and 32 <= threads <= 1024 and smem >= 0, name
         assert f"void custom_kernel_{name}" in source, name
-    chained = [n for n, *_ in tool.decode_step_launches(("moe_chain", "deltanet_chain_out", "attn_chain"), 64, NARROW)]
-    assert chained.count("moe_chain") == 4 and chained.count("deltanet_chain_out") == 3 and "attn_chain_long" in chained
+    chained = [n for n, *_ in tool.decode_step_launches((), 64, NARROW)]
+    assert chained.count("moe_chain_pb") == 4 and chained.count("deltanet_chain_out_pb") == 3
+    assert "attn_chain_long_pb" in chained
 
 
 def test_chain_hooks_reach_the_bodies_they_include():

@@ -109,9 +109,10 @@ def test_each_launch_has_counters_of_its_own():
         assert s.dtype == mx.int32 and s.shape == (kernels.SYNC_SLOTS,) and not np.array(s).any()
 
 
-def test_chain_is_opt_in_and_needs_both_moe_kernels(monkeypatch):
-    """moe_chain is off by default; on, ops.moe_decode hands it the router and returns its result; with moe_gate_up
-    or moe_down_combine switched off (ablation) it is not tried; declined, the two-kernel path runs."""
+def test_chain_is_on_for_cuda_and_needs_both_moe_kernels(monkeypatch):
+    """moe_chain is on by default on CUDA (opt-in on Metal); on, ops.moe_decode hands it the router and returns its
+    result; off, or with moe_gate_up or moe_down_combine switched off (ablation), it is not tried; declined, the
+    two-kernel path runs."""
     c, rbits, rgs = CHAIN[2]
     M, k, E, H, I, IS, gs, bits = c[:8]
     a, router = _case(c), _router(c, rbits, rgs)
@@ -127,7 +128,10 @@ def test_chain_is_opt_in_and_needs_both_moe_kernels(monkeypatch):
     monkeypatch.setitem(ops._kernels, "moe_gate_up", lambda *args, **kw: _gate_up_standin(a, c))
     monkeypatch.setitem(ops._kernels, "moe_down_combine", lambda *args, **kw: a["x"])
     monkeypatch.setitem(ops._kernels, "moe_route", lambda *args, **kw: None)  # the unfused path's router: MLX's
-    assert decode() is a["x"] and not seen
+    with ops.switched("moe_chain", False):
+        assert decode() is a["x"] and not seen
+    assert decode() is a["residual"] and seen == [router]
+    seen.clear()
     with ops.switched("moe_chain", True):
         assert decode() is a["residual"] and seen == [router]
         for off in ("moe_gate_up", "moe_down_combine"):
@@ -137,6 +141,8 @@ def test_chain_is_opt_in_and_needs_both_moe_kernels(monkeypatch):
     monkeypatch.setitem(ops._kernels, "moe_chain", lambda *args, **kw: None)
     with ops.switched("moe_chain", True):
         assert decode() is a["x"]
+    monkeypatch.setattr(ops, "backend", lambda: "metal")
+    assert not ops.enabled("moe_chain")
 
 
 def _gpu(backend, c, rbits, rgs):

@@ -211,11 +211,11 @@ def test_several_tokens_take_the_decode_path(embedded, monkeypatch):
     _caches_equal(runs[0][1], runs[1][1])
 
 
-@pytest.mark.parametrize("chains", [False, True], ids=["defaults", "all-chains"])
+@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in"])
 def test_verify_step_launches(monkeypatch, tmp_path, chains):
     """The compiled verify step at the 35B-A3B layer stack (tests/test_decode_budget.py's stand-ins): its T tokens
-    take a decode step's launches, each kernel once for all of them (with every chain on too: two a layer), and its
-    other primitives."""
+    take a decode step's launches, each kernel once for all of them (with every chain opted into: two a layer; by
+    default the chains take one token only), and its other primitives."""
     import collections
     import contextlib
 
@@ -237,25 +237,27 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
     monkeypatch.setattr(kernels, "call", standin)
     monkeypatch.setattr(ops, "backend", lambda: "cuda")
     # the cache is split (reserve 8 past the prompt): the chain merges it in a phase of its own
-    expected = ({"dequant_rows": 1, "deltanet_chain_out": 30, "attn_chain_long": 10, "moe_chain": 40} if chains else
-                {"dequant_rows": 1, "qmv": 110, "deltanet_step": 30, "attn_decode": 10, "qmv_attn": 10,
-                 "moe_gate_up": 40, "moe_down_combine": 40})
+    chained = {"dequant_rows": 1, "deltanet_chain_out": 30, "attn_chain_long": 10, "moe_chain": 40}
+    unchained = {"dequant_rows": 1, "qmv": 110, "deltanet_step": 30, "attn_decode": 10, "qmv_attn": 10,
+                 "moe_gate_up": 40, "moe_down_combine": 40}
+    names = ("moe_chain", "deltanet_chain_out", "attn_chain")
     totals = {}
     for T in (1, 2, 5):
-        verifier = CompiledVerifier(model, cache, reserve=8)
-        flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
-        mx.eval(flat)
-        launches.clear()
         with contextlib.ExitStack() as switches:
             switches.enter_context(ops.switched("prefill_overlap", False))  # an eager call here; traces never dispatch
-            for name in ("moe_chain", "deltanet_chain_out", "attn_chain") if chains else ():
-                ops.set_enabled(name, True)
+            for name in names if chains != "defaults" else ():
+                ops.set_enabled(name, chains == "opted-in")
+            verifier = CompiledVerifier(model, cache, reserve=8)
+            flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
+            mx.eval(flat)
+            launches.clear()
             out = verifier._step(mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32), *flat)
-        assert dict(launches) == expected
+        assert dict(launches) == (chained if chains == "opted-in" or (chains == "defaults" and T == 1) else unchained)
         counts = _primitives(out, tmp_path / f"verify{T}.dot")
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
-        print(f"verify step, {T} tokens{', every chain' if chains else ''}: {totals[T]} primitives")
-    assert totals[5] <= totals[1] + 2  # the slice of the last two positions
+        print(f"verify step, {T} tokens, chains {chains}: {totals[T]} primitives")
+    first = 2 if chains == "defaults" else 1  # by default the chains take one token: compare like with like
+    assert totals[5] <= totals[first] + 2  # the slice of the last two positions
 
 
 def _on_the_gpu(chains: bool) -> None:

@@ -1,7 +1,9 @@
 """Why test_chain_prefetch_cuda[B3 float32 model shape, with_out] failed twice in run 45 (out rel err 0.23, plain
 launch, no prefetch) yet passed in run 45's first process: per batch row and head, the step output's and state's error
 against the CPU reference, for deltanet_chain and deltanet_chain_out at the model's shape, B1 bf16 and B3 float32,
-three launches each, and whether kernel_cache loaded or built each instance.
+three launches each, and whether kernel_cache loaded or built each instance. Run 57 found the kernel right and the
+reference wrong (one row, 3 of 4 processes); the tests' reference now starts from host copies with the mixer's plain
+ops, and this also prints the rows the old one (the GPU's arrays, compiled pieces on) gets wrong.
     python kernels/scratch/deltanet_chain_out_diag.py
 """
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "tests")]
+from lily_mlx import ops  # noqa: E402
 from lily_mlx.ops import deltanet_chain as dc, kernel_cache, reference  # noqa: E402
 from test_deltanet_chain import MODEL, _inputs, _out_proj, _matmul_ref  # noqa: E402
 from test_deltanet_step import _composition  # noqa: E402
@@ -56,3 +59,11 @@ for (case, K, bits, gs) in MODEL:
         if with_out:
             h_ref = x.astype(F32) + _matmul_ref(out, out_proj)
             print(f"  h rel {rel(runs[0][4], h_ref):.2e}")
+        # The reference as the tests took it before run 57: from the GPU's arrays, the mixer's compiled pieces on.
+        with mx.stream(mx.cpu):
+            o_old = ops.deltanet_mix(proj.astype(F32), params[0].astype(proj.dtype).astype(F32), conv_state.astype(F32),
+                                     *(a.astype(F32) for a in params[1:]), state, num_key_heads=case.Hk, eps=case.eps,
+                                     mask=mask)[0]
+            mx.eval(o_old)
+        old = rel(o, o_old.reshape(o.shape), axis=(-1, -2))
+        print(f"  the old reference's rows off: {[b for b in range(case.B) if old[b].item() > 1e-3]}")

@@ -221,12 +221,12 @@ LONG_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
-def _dispatch(*args, **kwargs):
-    from . import backend
+def _dispatch(x, *args, **kwargs):
+    from . import backend, one_row_or_opted_in
 
-    out = decode_add(*args, **kwargs, backend=backend())
+    out = decode_add(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("attn_chain", x) else None
     return None if out is None else (out[-1], out[0], out[1])
 
 
-# Opt-in: its cuda tests pass (H100 run 34); every chain together decoded no faster than the defaults (runs 32, 35).
-register_kernel("attn_chain", SPEC.description, _dispatch, default_on=False)
+# On by default on CUDA at one row, opt-in on Metal (compile-checked only): see ops.one_row_or_opted_in.
+register_kernel("attn_chain", SPEC.description, _dispatch, default_on="cuda")

@@ -195,20 +195,21 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
-def _dispatch(*args, **kwargs):
-    from . import backend
+def _dispatch(x, *args, **kwargs):
+    from . import backend, one_row_or_opted_in
 
-    out = step(*args, **kwargs, backend=backend())
+    out = step(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("deltanet_chain", x) else None
     return None if out is None else out[:3]
 
 
-def _dispatch_out(*args, **kwargs):
-    from . import backend
+def _dispatch_out(x, *args, **kwargs):
+    from . import backend, one_row_or_opted_in
 
-    out = step(*args, **kwargs, backend=backend())
+    out = step(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("deltanet_chain_out", x) else None
     return None if out is None else (out[4], out[1], out[2])
 
 
-# Opt-in: their cuda tests pass (H100 run 34); every chain together decoded no faster than the defaults (runs 32, 35).
+# deltanet_chain_out on by default on CUDA at one row, opt-in on Metal (compile-checked only): see
+# ops.one_row_or_opted_in. deltanet_chain stays opt-in: deltanet_chain_out replaced it in every measured setup.
 register_kernel("deltanet_chain", SPEC.description, _dispatch, default_on=False)
-register_kernel("deltanet_chain_out", OUT_SPEC.description, _dispatch_out, default_on=False)
+register_kernel("deltanet_chain_out", OUT_SPEC.description, _dispatch_out, default_on="cuda")

@@ -160,12 +160,12 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
-def _dispatch(*args, **kwargs):
-    from . import backend
+def _dispatch(x, *args, **kwargs):
+    from . import backend, one_row_or_opted_in
 
-    out = chain(*args, **kwargs, backend=backend())
+    out = chain(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("moe_chain", x) else None
     return None if out is None else out[0]
 
 
-# Opt-in: its cuda tests pass (H100 run 34); every chain together decoded no faster than the defaults (runs 32, 35).
-register_kernel("moe_chain", SPEC.description, _dispatch, default_on=False)
+# On by default on CUDA at one row, opt-in on Metal (compile-checked only): see ops.one_row_or_opted_in.
+register_kernel("moe_chain", SPEC.description, _dispatch, default_on="cuda")
