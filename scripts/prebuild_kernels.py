@@ -27,16 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
-BUNDLED = CHAINS + ",packed_weights,bundled_weights"
-# (LILY_MLX_ENABLE, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES) of the decode steps gpu_checks.sh runs
+# CUDA's defaults are every chain, packed and bundled weights and kv_scatter; "-name" switches one off.
+UNCHAINED = "-moe_chain,-deltanet_chain_out,-attn_chain,-packed_weights,-bundled_weights,-kv_scatter"
+# (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES) of the decode steps gpu_checks.sh runs
 CONFIGS = [
-    ("", "", ""), ("packed_weights", "", ""), ("moe_chain", "", ""), ("moe_chain,deltanet_chain_out", "", ""),
-    ("moe_chain,deltanet_chain", "", ""), ("moe_chain,deltanet_chain_out,packed_weights", "", ""), (CHAINS, "", ""),
-    (CHAINS + ",packed_weights", "", ""), (BUNDLED, "", ""), (BUNDLED, "", "LILY_SYNC_SLEEP_NS=0"),
-    (BUNDLED, "", "LILY_SYNC_SLEEP_NS=1024"), (BUNDLED, "", "LILY_CHAIN_TRACE=4096"),
-    ("", "moe_gate_up.WARPS=4", ""), (BUNDLED, "moe_gate_up.WARPS=4", ""), ("", "", "LILY_CODE_LOP3=1"),
-    (BUNDLED, "", "LILY_CODE_LOP3=1"),
+    ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED.replace("-packed_weights,", ""), "", ""), ("-kv_scatter", "", ""),
+    ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
+    ("", "", "LILY_SYNC_SLEEP_NS=0"), ("", "", "LILY_SYNC_SLEEP_NS=1024"), ("", "", "LILY_CHAIN_TRACE=4096"),
+    (UNCHAINED, "moe_gate_up.WARPS=4", ""), ("", "", "LILY_CODE_LOP3=1"), (UNCHAINED, "", "LILY_CODE_LOP3=1"),
 ]
 CONTEXTS = (64, 4096)
 
@@ -46,7 +44,7 @@ def trace(context: int) -> None:
     spec = importlib.util.spec_from_file_location("cuda_registers", ROOT / "scripts" / "cuda_registers.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    switches = tuple(s for s in os.environ.get("LILY_MLX_ENABLE", "").split(",") if s)
+    switches = tuple(s for s in os.environ.get("LILY_PREBUILD_SWITCHES", "").split(",") if s)
     for *_, source in tool.decode_step_launches(switches, context):
         print(json.dumps({"kernel": re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1),
                           "source": source}))
@@ -59,8 +57,8 @@ def sources(jobs: int) -> dict[str, tuple[str, str]]:
     runs = [(c, ctx) for c in CONFIGS for ctx in CONTEXTS]
 
     def one(run):
-        (enable, plan, defines), ctx = run
-        env = dict(os.environ, LILY_MLX_ENABLE=enable, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines)
+        (switches, plan, defines), ctx = run
+        env = dict(os.environ, LILY_PREBUILD_SWITCHES=switches, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines)
         r = subprocess.run([sys.executable, __file__, "--trace", str(ctx)], env=env, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"prebuild_kernels: tracing {run} failed:\n{r.stderr[-3000:]}")
