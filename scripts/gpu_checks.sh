@@ -98,9 +98,25 @@ echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 # the unchained step.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 unchained=$chains,kv_scatter
-step 60 120 "every chain on the GPU's timeline" env LILY_MLX_ENABLE="$chains" python3 -m bench.gpu_timeline \
+# deltanet_chain_out's B 3 float32 failure (runs 46-47, 51, 55, 57): the kernel is right; the tests' CPU reference, made
+# from the GPU's arrays with the mixer's compiled pieces, was wrong in one row in 3 of 4 processes (run 57). The
+# reference now starts from host copies with plain ops: four fresh processes, each printing the rows the new and the
+# old reference get wrong.
+step 60 120 "deltanet_chain_out at B 3 float32: the reference, new and old, in 4 processes" bash -c \
+  "for i in 1 2 3 4; do python3 kernels/scratch/deltanet_chain_out_diag.py 2>&1 | grep -A9 'B3.*with_out=True'; done"
+# Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults (every chain)
+# and the unchained step. Three arms: a fourth ran out of memory on an 80 GB H100 (run 52).
+step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)" python3 -m bench.ab --model "$model" \
+  -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-no-${unchained//,/+}}" --no-progress --json "$res/ab_decode.json" \
+  --markdown "$res/ab_decode.md"
+step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# The same step and the defaults' in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
+# MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
+# cuda_source_files (short #include stubs: 0.2 MB) on vs off with the defaults: on a slow host the chained step waits
+# for MLX's dispatch (~3 ms of thread CPU a step on run 52's host).
+step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
+  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
+# Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
 if [ -d .base/lily_mlx ]; then
@@ -113,26 +129,9 @@ if [ -d .base/lily_mlx ]; then
     "LILY_MLX_DISABLE=$unchained python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json \
 && cd .base && $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
-# MLX's dynamic slice update launches its copy over the whole stacked cache (10 layers): with every chain it took
-# 120 us twice a step at context 4096 (run 51), 7% of the kernels. kv_scatter writes only the new rows.
-step 60 120 "every chain on the GPU's timeline, kv_scatter on" env LILY_MLX_ENABLE="$chains,kv_scatter" \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_kv_scatter.json"
-step 60 150 "decode step, kv_scatter on vs off (every chain on)" env LILY_MLX_ENABLE="$chains" \
-  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --ab-switch kv_scatter \
-  --json "$res/decode_ab_kv_scatter_chains.json"
-# device_scalars (on since run 51) adds two primitives a step outside the compiled graph: the defaults are bound by
-# MLX's dispatch.
-step 60 110 "decode step, device_scalars on vs off (defaults)" python3 -m bench.profile_decode --model "$model" \
-  --context 64 4096 --steps 16 --no-ops --ab-switch device_scalars --json "$res/decode_ab_device_scalars.json"
 # Where attn_chain's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page comes back
 # as a file). Run 48's try over 8 chain launches with more sections passed 200 s.
 step 60 240 "ncu source counters of attn_chain (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# deltanet_chain_out's B 3 float32 failure (runs 46-47, 51, 55, 57): the kernel is right; the tests' CPU reference, made
-# from the GPU's arrays with the mixer's compiled pieces, was wrong in one row in 3 of 4 processes (run 57). The
-# reference now starts from host copies with plain ops: four fresh processes, each printing the rows the new and the
-# old reference get wrong.
-step 60 120 "deltanet_chain_out at B 3 float32: the reference, new and old, in 4 processes" bash -c \
-  "for i in 1 2 3 4; do python3 kernels/scratch/deltanet_chain_out_diag.py 2>&1 | grep -A9 'B3.*with_out=True'; done"
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
 step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
@@ -144,11 +143,6 @@ step 60 120 "cuda tests of the chains' prefetch" python3 -m pytest -q -m cuda -n
   tests/test_moe_chain.py tests/test_deltanet_chain.py tests/test_attn_chain.py
 step 60 120 "every chain on the GPU's timeline, chain_prefetch on" env LILY_MLX_ENABLE="$chains,chain_prefetch" \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_prefetch.json"
-# Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults (every chain)
-# and the unchained step. Three arms: a fourth ran out of memory on an 80 GB H100 (run 52).
-step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)" python3 -m bench.ab --model "$model" \
-  -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-no-${unchained//,/+}}" --no-progress --json "$res/ab_decode.json" \
-  --markdown "$res/ab_decode.md"
 # Is it the waiting blocks' polls (up to ~500 thread 0s on one counter line, LILY_SYNC_SLEEP_NS = 64 ns apart)? The
 # chains' kernel times with pure spinning (0) and 1024 ns; each new value is a fresh NVRTC compile of the chains.
 for sleep in 0 1024; do
@@ -156,8 +150,8 @@ for sleep in 0 1024; do
     LILY_MLX_KERNEL_DEFINES=LILY_SYNC_SLEEP_NS=$sleep python3 -m bench.gpu_timeline --model "$model" \
     --context 64 4096 --json "$res/timeline_chains_sleep$sleep.json"
 done
-step 60 120 "decode step on the GPU's timeline" python3 -m bench.gpu_timeline --model "$model" --context 64 4096 \
-  --json "$res/timeline.json"
+step 60 120 "the unchained decode step on the GPU's timeline" env LILY_MLX_DISABLE="$unchained" \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline.json"
 # Why attn_decode takes ~20 us a layer at context 64 for a few positions a block (34-66 blocks), and where
 # moe_gate_up, moe_down_combine and deltanet_step (32 blocks: 12% of the SMs) stall: ncu's warp states, occupancy
 # and memory sections, one decode step's 12 launches of them (4 layers), clocks and caches as they run.
@@ -263,11 +257,6 @@ gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,sm__war
 python3 kernels/scratch/prefill_ncu.py --model $model --tokens $c --layers 8 --decode-steps 4 > /tmp/ncu$c${label// /_}.csv 2>/dev/null; \
 python3 kernels/scratch/prefill_ncu.py --summarize /tmp/ncu$c${label// /_}.csv --decode | tee $res/ncu_decode_${c}_${label// /_}.txt"
 done
-# MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
-# cuda_source_files (short #include stubs: 0.2 MB) on vs off with every chain on, packed and bundled.
-step 60 110 "decode step, cuda_source_files on vs off (every chain on)" \
-  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights python3 -m bench.profile_decode --model "$model" \
-  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
 # The defaults end to end by length, each also with one switch flipped (prefill_overlap, moe_route, moe_combine_shared
 # and moe_sort off; the opt-in moe_gemm_bounded on), and with dense projections dequantized from 4M weights only
 # (before run 20), the MoE block part by part, and the routed experts' paths by rows: one process, so the 20 GB
