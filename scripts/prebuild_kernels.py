@@ -26,12 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import lily_mlx  # noqa: E402,F401  (registers every switch)
+from lily_mlx import ops  # noqa: E402
 
-# CUDA's defaults are every chain, packed and bundled weights and kv_scatter; "-name" switches one off.
-UNCHAINED = "-moe_chain,-deltanet_chain_out,-attn_chain,-packed_weights,-bundled_weights,-kv_scatter"
+# CUDA's own defaults (every chain, packed and bundled weights, kv_scatter) off; "-name" switches one off.
+UNCHAINED = ",".join("-" + n for n in ops.backend_defaults("cuda"))
 # (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES) of the decode steps gpu_checks.sh runs
 CONFIGS = [
-    ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED.replace("-packed_weights,", ""), "", ""), ("-kv_scatter", "", ""),
+    ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_SYNC_SLEEP_NS=0"), ("", "", "LILY_SYNC_SLEEP_NS=1024"), ("", "", "LILY_CHAIN_TRACE=4096"),
     (UNCHAINED, "moe_gate_up.WARPS=4", ""), ("", "", "LILY_CODE_LOP3=1"), (UNCHAINED, "", "LILY_CODE_LOP3=1"),

@@ -1,8 +1,8 @@
 """deltanet_chain_out at B 3 float32 (the 35B heads) in one process: which rows come out wrong against the CPU
 reference, and the launch's outputs saved for a look on the CPU (out, proj, h, the first 4 heads of the state).
-gpu_checks.sh runs it in fresh processes under each build: kernel_cache's (built here, then loaded), MLX's own
-loading kernel_cache's file, MLX's own build; LEAD=0F,0T,1F runs the
-diag's launches before it in its order (case index, T/F: with the output projection).
+Runs 54-55 ran it in fresh processes under each build (kernel_cache's, built then loaded; MLX's own, loading
+kernel_cache's file or building): every row right. LEAD=0F,0T,1F runs the diag's launches before it in its order
+(case index, T/F: with the output projection).
     python kernels/scratch/deltanet_chain_out_b3.py LABEL [OUT]
 """
 import os

@@ -39,7 +39,13 @@ def backend() -> str:
 def enabled(name: str) -> bool:
     if "all" in _disabled or name in _disabled:
         return False
-    return name not in _default_off or name in _opted_in or _default_backend.get(name, "") == backend()
+    return name not in _default_off or name in _opted_in or (name in _default_backend and
+                                                               _default_backend[name] == backend())
+
+
+def backend_defaults(name: str) -> tuple[str, ...]:
+    """The switches on by default on backend `name` only (register_switch's default_on=name)."""
+    return tuple(n for n, b in _default_backend.items() if b == name)
 
 
 # The decode chains (moe_chain, deltanet_chain_out, attn_chain) with packed_weights, bundled_weights and kv_scatter

@@ -5,7 +5,7 @@ counters (`kernels.sync_counters`) as moe_chain orders its three. Where the cach
 qmv_attn is switched off, variant attn_chain_long runs attn_combine's body and then qmv's as phases 2 and 3. Two
 launches fewer in each of the 10 attention layers of a 35B-A3B decode step, the GPU's work unchanged.
 
-Switch "attn_chain", opt-in: its cuda tests pass (H100 run 34).
+Switch "attn_chain", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal.
 """
 
 from __future__ import annotations

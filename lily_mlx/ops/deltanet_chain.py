@@ -5,7 +5,8 @@ deltanet_chain_out adds a third phase, qmv's body again for the output projectio
 layer's whole mixer half is one launch. One or two launches fewer in each of the 30 DeltaNet layers of a decode
 step, the GPU's work unchanged.
 
-Switches "deltanet_chain" and "deltanet_chain_out", opt-in: their cuda tests pass (H100 run 34).
+Switch "deltanet_chain_out", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal;
+"deltanet_chain" opt-in.
 """
 
 from __future__ import annotations
