@@ -99,19 +99,24 @@ def verify_times(model, context: int, steps: int, vocab: int, tokens: int) -> di
 
 def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: int = 7) -> dict:
     """Pipelined step time with switch `name` on vs off, in ONE process: two compiled decoders over the same
-    prefilled cache, timed in alternating rounds, so the VM's drifting CPU speed hits both alike."""
+    prefilled cache, timed in alternating rounds, so the VM's drifting CPU speed hits both alike. Each arm is built,
+    traced and timed under its own setting: the eager sampling step reads the switches at every call, and a trace
+    made later (a new input dtype, a grown cache) reads them when it is made."""
     from lily_mlx import ops
     from lily_mlx.decode import CompiledDecoder
+
+    def setting(on: bool) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for n in name.split("+"):  # a+b: both flipped together
+            stack.enter_context(ops.switched(n, on))
+        return stack
 
     cache = prefilled_cache(model, context, vocab)
     decoders = {}
     for on in (True, False):
-        # Built and traced under the setting: a decoder takes its shared trace, keyed on the switches, when made.
-        with contextlib.ExitStack() as stack:
-            for n in name.split("+"):  # a+b: both flipped together
-                stack.enter_context(ops.switched(n, on))
+        with setting(on):  # a decoder takes its shared trace, keyed on the switches, when made
             dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
-            mx.eval(dec(mx.array([[1]])))
+            mx.eval(greedy_next(dec(mx.array([[1]]))))
         decoders[on] = dec
     if decoders[True]._fn is decoders[False]._fn:
         raise RuntimeError(f"switch {name}: both settings share one compiled step, so the A/B would time one graph")
@@ -119,18 +124,19 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             dec, tok = decoders[on], mx.array([[1]])
-            t0 = time.perf_counter()
-            nxt = greedy_next(dec(tok))
-            mx.async_eval(nxt)
-            dispatch_cpu = []
-            for _ in range(steps):
-                cur = nxt
-                c0 = time.thread_time()
-                nxt = greedy_next(dec(cur))
+            with setting(on):
+                t0 = time.perf_counter()
+                nxt = greedy_next(dec(tok))
                 mx.async_eval(nxt)
-                dispatch_cpu.append(time.thread_time() - c0)
-                mx.eval(cur)
-            mx.eval(nxt)
+                dispatch_cpu = []
+                for _ in range(steps):
+                    cur = nxt
+                    c0 = time.thread_time()
+                    nxt = greedy_next(dec(cur))
+                    mx.async_eval(nxt)
+                    dispatch_cpu.append(time.thread_time() - c0)
+                    mx.eval(cur)
+                mx.eval(nxt)
             times[on].append(1e3 * (time.perf_counter() - t0) / (steps + 1))
             cpu[on].append(1e3 * statistics.median(dispatch_cpu))
     # The dispatch's thread CPU time is the steadier figure on a VM whose wall time drifts 10-30% between rounds.

@@ -200,7 +200,7 @@ class CompiledDecoder:
     def _advance(self, tokens: mx.array, n_out: int) -> list:
         """The compiled step over tokens [B, T]: its first n_out outputs; the cache arrays kept."""
         self.kv = _with_room(self.kv, self.offset + tokens.shape[1])
-        out = self._fn(tokens, kernels.int32_scalar(self.offset), *_flatten(self.kv, self.states))
+        out = self._fn(_token_ids(tokens), kernels.int32_scalar(self.offset), *_flatten(self.kv, self.states))
         self.kv, self.states = _unflatten(out[n_out:], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
         return out[:n_out]
@@ -258,7 +258,7 @@ class CompiledDrafter:
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         L = next_tokens.shape[-1]
         self.kv = _with_room(self.kv, self.offset + L)
-        out = self._fn(hidden, next_tokens, kernels.int32_scalar(self.offset), *_flatten(self.kv, []))
+        out = self._fn(hidden, _token_ids(next_tokens), kernels.int32_scalar(self.offset), *_flatten(self.kv, []))
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         self.offset += L
         return out[0]
@@ -310,7 +310,7 @@ class CompiledBatchDecoder:
             capacity = self.idx + tokens.shape[1] + STEP
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
         flat = _flatten(self.kv, self.states)
-        out = self._fn(tokens, kernels.int32_scalar(self.idx), self.left_padding, self.offset, *flat)
+        out = self._fn(_token_ids(tokens), kernels.int32_scalar(self.idx), self.left_padding, self.offset, *flat)
         self.offset = out[1]
         self.kv, self.states = _unflatten(out[2:], len(self.kv), len(self.states))
         self.idx += tokens.shape[1]
@@ -439,6 +439,12 @@ def _bundle_once(model, kind: str, batch: int, run: Callable) -> None:
         model.bundle_weights(run)
         _, steps, last = _model_entry(model)  # the arrays it bundled are new
         steps[("bundled", kind, batch, *last)] = None
+
+
+def _token_ids(tokens: mx.array) -> mx.array:
+    """tokens as uint32, the samplers' dtype: a compiled step is traced per input dtype, so an int32 first token
+    (a prompt's) would trace the 40-layer step a second time, under whatever switches are set by then."""
+    return tokens if tokens.dtype == mx.uint32 else tokens.astype(mx.uint32)
 
 
 def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int], kind: str = "single") -> Callable:

@@ -116,6 +116,10 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 # for MLX's dispatch (~3 ms of thread CPU a step on run 52's host).
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
+# The sampling step (MLX's argmax 28 us and logsumexp 22 us, one block each over the 248,320 logits, run 52) against
+# the opt-in logprobs kernel (one launch of many blocks) under the defaults.
+step 60 100 "every chain with logprobs on the GPU's timeline" env LILY_MLX_ENABLE=logprobs,logprobs_argmax \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_chains_logprobs.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
@@ -278,7 +282,11 @@ step 60 120 "prefill parts at ${PARTS_TOKENS:-2048} tokens" python3 -m bench.pro
 # The memory bound with the opt-in headroom on top of the default layer bound (<= weights + 3 GB at 8192 tokens).
 step 60 150 "prefill at 8192 tokens, headroom capped" python3 -m bench.profile_prefill --model "$model" --tokens 8192 \
   --whole-only --headroom 0.5 1 --json "$res/prefill_capped.json"
-# Where the decode step's CPU time goes inside MLX: py-spy (carried in as a wheel) on the warm decode loop only.
+# Where the decode step's CPU time goes inside MLX: py-spy (carried in as a wheel: pip download py-spy==0.4.3
+# --no-deps -d .ptx-cache) on the warm decode loop only.
+for whl in .ptx-cache/py_spy-*.whl; do
+  [ -f "$whl" ] && python3 -m pip install -q --no-deps --target /tmp/pyspy "$whl" && export PATH="/tmp/pyspy/bin:$PATH"
+done
 if command -v py-spy >/dev/null; then
   step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
     --steps 16 --no-ops --py-spy "$res/decode_native.txt.gz" --py-spy-seconds 20 --json "$res/decode_native.json"

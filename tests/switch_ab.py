@@ -3,6 +3,7 @@ check that the kernel path is taken and the logits agree."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import mlx.core as mx
@@ -48,8 +49,9 @@ def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None
 
 
 def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Optional[str] = None,
-                   calls: Optional[list] = None, dtype=mx.bfloat16) -> float:
-    """_rel_err_on_vs_off of the logits of `steps` greedy one-token steps after a `prompt`-token prefill."""
+                   calls: Optional[list] = None, dtype=mx.bfloat16, superseded_by: tuple = ()) -> float:
+    """_rel_err_on_vs_off of the logits of `steps` greedy one-token steps after a `prompt`-token prefill, with the
+    switches in `superseded_by` (paths that take the same layers first, e.g. a chain on by default) off in both arms."""
     model, toks = _model(dtype), _tokens(prompt)
 
     def run():
@@ -62,13 +64,17 @@ def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Option
             tok = mx.argmax(logits, axis=-1)[:, None]
         return mx.stack(out)
 
-    return _rel_err_on_vs_off(switch, run, kernel, calls)
+    with contextlib.ExitStack() as stack:
+        for name in superseded_by:
+            stack.enter_context(ops.switched(name, False))
+        return _rel_err_on_vs_off(switch, run, kernel, calls)
 
 
-def assert_chain_decodes(switch: str, backend_marker: str) -> None:
+def assert_chain_decodes(switch: str, backend_marker: str, superseded_by: tuple = ()) -> None:
     """A chained kernel's model-level GPU check: the embedded 4-bit model in float32, a prompt then 6 one-token steps
-    with `switch` on vs off; the chain runs in every layer it serves (none declined) and the step logits agree."""
+    with `switch` on vs off (decode_rel_err's `superseded_by` off); the chain runs in every layer it serves (none
+    declined) and the step logits agree."""
     before = ops.declined.get(switch, 0)
-    err = decode_rel_err(switch, dtype=mx.float32)
+    err = decode_rel_err(switch, dtype=mx.float32, superseded_by=superseded_by)
     assert ops.declined.get(switch, 0) == before, f"{switch} declined the embedded model's layers"
     assert err < 1e-4, f"{backend_marker}: decode logits with {switch}: rel err {err:.2e}"

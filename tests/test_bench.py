@@ -364,6 +364,30 @@ def test_profiles_run_end_to_end_on_the_tiny_model(tmp_path):
     assert report["steps"][0]["dispatch_cpu_ms"] > 0 and report["switch_ab"][0]["dispatch_cpu_on_ms"] > 0
 
 
+def test_decode_switch_ab_runs_each_arm_under_its_setting(monkeypatch):
+    """profile_decode's in-process A/B: each arm traced once under its own setting (none retraced while timed), and
+    its eager sampling run under it too. Before, a uint32 token retraced both arms under the process's default."""
+    import lily_mlx
+    import lily_mlx.decode as decode_mod
+    from lily_mlx import ops
+    from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
+
+    decode = importlib.import_module(bench.__name__ + ".profile_decode")
+    model = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)[0]
+    traced, sampled = [], []
+    for name in ("_decode_step", "_stacked_step"):
+        real = getattr(decode_mod, name)
+        monkeypatch.setattr(decode_mod, name, lambda *a, _real=real, **k: traced.append(ops.enabled("kv_scatter"))
+                            or _real(*a, **k))
+    real_next = decode.greedy_next
+    monkeypatch.setattr(decode, "greedy_next", lambda logits: sampled.append(ops.enabled("kv_scatter"))
+                        or real_next(logits))
+    ab = decode.switch_ab(model, 16, 2, 1000, "kv_scatter", rounds=2)
+    assert traced == [True, False]
+    assert sampled == [True, False] + [True] * 3 + [False] * 3 + [False] * 3 + [True] * 3
+    assert ab["on_ms"] > 0 and ab["off_ms"] > 0
+
+
 def test_mtp_bench_sets_the_acceptance(tmp_path):
     """bench.mtp on a tiny random model with an (untrained) MTP head: every arm's tokens are plain greedy decoding's;
     acceptance 1 confirms about every other token, the head's own drafts almost none; a model without the head is

@@ -99,6 +99,26 @@ def test_decoders_share_one_trace_until_weights_or_switches_change(tiny_checkpoi
     assert len(traced) == 3
 
 
+def test_token_dtypes_share_one_trace(tiny_checkpoints, monkeypatch):
+    """A prompt's int32 token then sampled uint32 tokens run one trace: a trace per input dtype would trace the
+    step again mid-decode, under whatever switches are set by then (bench A/Bs timed the wrong arm that way)."""
+    import lily_mlx.decode as decode
+
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    traced = []
+    for name in ("_decode_step", "_stacked_step"):
+        real = getattr(decode, name)
+        monkeypatch.setattr(decode, name, lambda *a, _real=real, **k: traced.append(1) or _real(*a, **k))
+    cache = model.make_cache()
+    model(mx.array([[5, 9, 33, 7]]), cache=cache)
+    dec = CompiledDecoder(model, cache, reserve=8)
+    tok = mx.array([[11]], dtype=mx.int32)
+    for _ in range(3):
+        tok = mx.argmax(dec(tok), axis=-1)[:, None]  # uint32, as the samplers give
+        mx.eval(tok)
+    assert tok.dtype == mx.uint32 and len(traced) == 1
+
+
 def test_shared_traces_do_not_keep_a_dropped_model_alive(tiny_checkpoints):
     import gc
     import weakref

@@ -297,13 +297,17 @@ def test_decode_with_chain_prefetch_cuda():
     assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
 
 
+# deltanet_chain_out (on by default on CUDA) takes a DeltaNet layer before deltanet_chain does.
+SUPERSEDED = {"deltanet_chain": ("deltanet_chain_out",), "deltanet_chain_out": ()}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
 def test_decode_with_chain_cuda(switch):
-    assert_chain_decodes(switch, "cuda")
+    assert_chain_decodes(switch, "cuda", superseded_by=SUPERSEDED[switch])
 
 
 @pytest.mark.metal
 @pytest.mark.parametrize("switch", ["deltanet_chain", "deltanet_chain_out"])
 def test_decode_with_chain_metal(switch):
-    assert_chain_decodes(switch, "metal")
+    assert_chain_decodes(switch, "metal", superseded_by=SUPERSEDED[switch])

@@ -212,7 +212,7 @@ def sync_counters() -> mx.array:
     pool = _counter_pool.setdefault(n, [])
     if not pool:
         zeros = mx.zeros((COUNTER_POOL, n), dtype=mx.int32)
-        pool.extend(zeros[i] for i in range(COUNTER_POOL))
+        pool.extend(zeros[i:i + 1].reshape(n) for i in range(COUNTER_POOL))  # views: zeros[i] would be a gather each
         mx.eval(pool)
     return pool.pop()
 
