@@ -160,7 +160,7 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
     launched = []
 
     def counted(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        source = kernels.launch_source(name, False, inputs, template, output_dtypes)[1]
+        source = kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template, output_dtypes)[1]
         threads = group[0] * group[1] * group[2]
         blocks = (-(-grid[0] // group[0])) * (-(-grid[1] // group[1])) * (-(-grid[2] // group[2]))
         launched.append((name, blocks, threads, smem, source))

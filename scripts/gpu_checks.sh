@@ -28,6 +28,9 @@ res=${res:-$out/reports}
 mkdir -p "$out" "$res"
 start=$(date +%s)
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+# cuda_source_files (on): the kernels #include their sources from here by absolute path, which names their modules;
+# scripts/prebuild_kernels.py builds them for this same folder.
+export LILY_MLX_KERNEL_CACHE=${LILY_MLX_KERNEL_CACHE:-/tmp/lily-kernel-sources}
 # kernel_cache (on by default: each kernel built once a machine, not once a process): KERNEL_CACHE=auto (default)
 # turns it off after the tests if its cuda tests failed there, 1 keeps it on, 0 turns it off for every step.
 kc=${KERNEL_CACHE:-auto}
@@ -111,9 +114,9 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# MLX hashes a CUDA kernel's whole source on every launch; the chains' are ~26 KB, 2.1 MB a step (bench.step_dispatch).
-# cuda_source_files (short #include stubs: 0.2 MB) on vs off with the defaults: on a slow host the chained step waits
-# for MLX's dispatch (~3 ms of thread CPU a step on run 52's host).
+# The in-process A/B, fixed in the twenty-fifth session (before, both arms ran the process's default), against run 62's
+# fresh-process pairs: cuda_source_files (on by default since) took the chained step's dispatch from 1.78-1.89 ms of
+# thread CPU to 1.27-1.35. If this A/B shows the same, the in-process A/Bs below measure again.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
 # The sampling step (MLX's argmax 28 us and logsumexp 22 us, one block each over the 248,320 logits, run 52) against
@@ -166,10 +169,6 @@ step 60 120 "ncu stall reasons of attn_decode, moe_gate_up, moe_down_combine, de
 python3 kernels/scratch/prefill_ncu.py --model $model --tokens 64 --layers 4 --decode-steps 2 \
 > $res/ncu_stalls_64.txt 2>&1; grep -E 'custom_kernel|Duration|Achieved Occupancy|Waves Per SM|Registers Per|Stall|Memory Throughput' \
 $res/ncu_stalls_64.txt | head -150"
-# The default step is bound by MLX's dispatch (run 38), which hashes each launch's whole source (~2.5 MB a step,
-# ~0.3 us a KB); cuda_source_files hashes 0.2 MB, yet measured 0.3-0.4 ms slower in runs 3 and 24 (H200, unexplained).
-step 60 110 "decode step, cuda_source_files on vs off (defaults)" python3 -m bench.profile_decode --model "$model" \
-  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
 # MLX builds every custom kernel with NVRTC in every process (it reads its disk cache but never writes custom
 # kernels to it); kernel_cache writes them there. Fresh processes' decode profiles with it off and on, each twice on
 # one cache folder (the second finds MLX's own kernels, and with it on ours, built).
@@ -226,6 +225,10 @@ step 60 150 "decode step, attn_decode_wide on vs off" python3 -m bench.profile_d
   --steps 16 --no-ops --ab-switch attn_decode_wide --json "$res/decode_ab_attn_decode_wide.json"
 # The sampling step (logprobs and the greedy token, as generate_step takes them) in one launch vs MLX's logsumexp,
 # subtract and argmax, each of those one block over the 248,320 logits.
+# stacked_kv (on since the third session) rested on a void in-process A/B: with every chain it costs 20 copies a
+# step (1.8 us each) to concatenate the layers' new K/V rows, against 20 scatters without it.
+step 60 110 "decode step, stacked_kv on vs off (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 \
+  4096 --steps 16 --no-ops --ab-switch stacked_kv --json "$res/decode_ab_stacked_kv.json"
 step 60 110 "decode step, logprobs on vs off" python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 \
   --no-ops --ab-switch logprobs+logprobs_argmax --json "$res/decode_ab_logprobs.json"
 # attn_chain on vs off with the other chains on in both arms (87 primitives a step with all on); context 4096 takes
@@ -291,10 +294,6 @@ if command -v py-spy >/dev/null; then
   step 60 150 "native CPU profile of the decode step" python3 -m bench.profile_decode --model "$model" --context 64 \
     --steps 16 --no-ops --py-spy "$res/decode_native.txt.gz" --py-spy-seconds 20 --json "$res/decode_native.json"
 fi
-# cuda_source_files (opt-in): MLX hashes each launch's source (9% of the step's CPU samples in run 9); the switch
-# hashes two #include lines instead. Its only A/B (third session) was 0.4 ms slower for reasons not found.
-step 60 150 "decode step, cuda_source_files on vs off" python3 -m bench.profile_decode --model "$model" --context 64 \
-  --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files.json"
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
 for enable in "" "batched_attn_decode"; do

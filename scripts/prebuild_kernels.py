@@ -29,8 +29,11 @@ sys.path.insert(0, str(ROOT))
 import lily_mlx  # noqa: E402,F401  (registers every switch)
 from lily_mlx import ops  # noqa: E402
 
-# CUDA's own defaults (every chain, packed and bundled weights, kv_scatter) off; "-name" switches one off.
-UNCHAINED = ",".join("-" + n for n in ops.backend_defaults("cuda"))
+# CUDA's own decode-step defaults (every chain, packed and bundled weights, kv_scatter) off; "-name" switches one off.
+UNCHAINED = ",".join("-" + n for n in ops.backend_defaults("cuda") if n != "cuda_source_files")
+# With cuda_source_files a kernel's source #includes files by absolute path, so its module name holds that path:
+# gpu_checks.sh writes them to the same folder on the device.
+KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 # (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES) of the decode steps gpu_checks.sh runs
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
@@ -61,6 +64,7 @@ def sources(jobs: int) -> dict[str, tuple[str, str]]:
     def one(run):
         (switches, plan, defines), ctx = run
         env = dict(os.environ, LILY_PREBUILD_SWITCHES=switches, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines)
+        env.setdefault("LILY_MLX_KERNEL_CACHE", KERNEL_SOURCES)
         r = subprocess.run([sys.executable, __file__, "--trace", str(ctx)], env=env, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"prebuild_kernels: tracing {run} failed:\n{r.stderr[-3000:]}")

@@ -189,10 +189,12 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-# Off: H200, 2026-12-03 (bench/profile_decode.py --ab-switch, each arm its own trace) the whole decode step took
-# 3.58 ms with it, 3.17 ms without, though bench/launch_cost.py had measured 2-8 us less per single launch.
+# On for CUDA: H100 run 5 (2026-12-06), every chain, context 64, fresh processes in turn: the step's dispatch took
+# 1.27 / 1.35 ms of thread CPU with it, 1.89 / 1.78 without (MLX hashed ~2.8 MB of inline source a step: 19% of the
+# dispatch's samples in run 3's native profile). Its earlier "slower" verdicts came from in-process A/Bs that timed
+# one configuration in both arms (profile_decode.switch_ab).
 register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
-                default_on=False)
+                default_on="cuda")
 register_switch("kernel_cache", "CUDA kernels built once per machine into MLX's on-disk cache, which MLX reads but "
                 "never writes for custom kernels (ops/kernel_cache.py)")
 # On: H100 run 51, every chain, attn_chain_long 92.6 -> 61.9 us a call at context 4096 and 43.6 -> 39.5 at 64 (its
