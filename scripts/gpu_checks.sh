@@ -119,10 +119,6 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 # thread CPU to 1.27-1.35. If this A/B shows the same, the in-process A/Bs below measure again.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
-# The sampling step (MLX's argmax 28 us and logsumexp 22 us, one block each over the 248,320 logits, run 52) against
-# the opt-in logprobs kernel (one launch of many blocks) under the defaults.
-step 60 100 "every chain with logprobs on the GPU's timeline" env LILY_MLX_ENABLE=logprobs,logprobs_argmax \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_chains_logprobs.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

@@ -29,8 +29,11 @@ sys.path.insert(0, str(ROOT))
 import lily_mlx  # noqa: E402,F401  (registers every switch)
 from lily_mlx import ops  # noqa: E402
 
-# CUDA's own decode-step defaults (every chain, packed and bundled weights, kv_scatter) off; "-name" switches one off.
-UNCHAINED = ",".join("-" + n for n in ops.backend_defaults("cuda") if n != "cuda_source_files")
+# CUDA's own defaults that shape the compiled step's launches (every chain, packed and bundled weights, kv_scatter)
+# off; "-name" switches one off.
+STEP_DEFAULTS = ("moe_chain", "deltanet_chain_out", "attn_chain", "packed_weights", "bundled_weights", "kv_scatter")
+assert set(STEP_DEFAULTS) <= set(ops.backend_defaults("cuda")), "a step default is no longer on by default on CUDA"
+UNCHAINED = ",".join("-" + n for n in STEP_DEFAULTS)
 # With cuda_source_files a kernel's source #includes files by absolute path, so its module name holds that path:
 # gpu_checks.sh writes them to the same folder on the device.
 KERNEL_SOURCES = "/tmp/lily-kernel-sources"

@@ -100,6 +100,9 @@ def _dispatch_argmax(logits, **kwargs):
     return argmax(logits, backend=backend(), **kwargs)
 
 
-# Opt-in: its cuda tests pass (H100 run 34); the decode step's A/B was within the host's noise (run 35).
-register_kernel("logprobs", SPEC.description, _dispatch, default_on=False)
-register_kernel("logprobs_argmax", ARGMAX_SPEC.description, _dispatch_argmax, default_on=False)
+# On for CUDA: H100 run 59 (2026-12-06), the chained step's timeline: one 9.2 us launch where MLX's argmax, logsumexp
+# and subtract took 54 us (each one block over the 248,320 logits). Its cuda tests, the model's greedy tokens with and
+# without it (MTP's draft argmax too) among them, pass under CUDA's defaults (run 60). Its only whole-step A/B (run 35)
+# was one of profile_decode's void in-process ones.
+register_kernel("logprobs", SPEC.description, _dispatch, default_on="cuda")
+register_kernel("logprobs_argmax", ARGMAX_SPEC.description, _dispatch_argmax, default_on="cuda")
