@@ -101,12 +101,6 @@ echo "kernel_cache in the later steps: $([ "$kc" = 0 ] && echo off || echo on)"
 # the unchained step.
 chains=moe_chain,deltanet_chain_out,attn_chain,packed_weights,bundled_weights
 unchained=$chains,kv_scatter
-# deltanet_chain_out's B 3 float32 failure (runs 46-47, 51, 55, 57): the kernel is right; the tests' CPU reference, made
-# from the GPU's arrays with the mixer's compiled pieces, was wrong in one row in 3 of 4 processes (run 57). The
-# reference now starts from host copies with plain ops: four fresh processes, each printing the rows the new and the
-# old reference get wrong.
-step 60 120 "deltanet_chain_out at B 3 float32: the reference, new and old, in 4 processes" bash -c \
-  "for i in 1 2 3 4; do python3 kernels/scratch/deltanet_chain_out_diag.py 2>&1 | grep -A9 'B3.*with_out=True'; done"
 # Issue 4's table: decode at contexts 256 and 4096 against stock mlx-lm in the same run, the defaults (every chain)
 # and the unchained step. Three arms: a fourth ran out of memory on an 80 GB H100 (run 52).
 step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)" python3 -m bench.ab --model "$model" \
@@ -119,6 +113,14 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 # thread CPU to 1.27-1.35. If this A/B shows the same, the in-process A/Bs below measure again.
 step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
   --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
+# The sampling step (logprobs and the greedy token, as generate_step takes them) in one launch vs MLX's logsumexp,
+# subtract and argmax, each of those one block over the 248,320 logits.
+step 60 110 "decode step, logprobs on vs off" python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 \
+  --no-ops --ab-switch logprobs+logprobs_argmax --json "$res/decode_ab_logprobs.json"
+# stacked_kv (on since the third session) rested on a void in-process A/B: with every chain it costs 20 copies a
+# step (1.8 us each) to concatenate the layers' new K/V rows, against 20 scatters without it.
+step 60 110 "decode step, stacked_kv on vs off (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 \
+  4096 --steps 16 --no-ops --ab-switch stacked_kv --json "$res/decode_ab_stacked_kv.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
@@ -219,14 +221,6 @@ step 60 150 "decode step, kv_scatter on vs off" python3 -m bench.profile_decode 
 # attn_decode with a lane's dims consecutive (16-byte cache loads) vs strided lanes, at a short and a long cache.
 step 60 150 "decode step, attn_decode_wide on vs off" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
   --steps 16 --no-ops --ab-switch attn_decode_wide --json "$res/decode_ab_attn_decode_wide.json"
-# The sampling step (logprobs and the greedy token, as generate_step takes them) in one launch vs MLX's logsumexp,
-# subtract and argmax, each of those one block over the 248,320 logits.
-# stacked_kv (on since the third session) rested on a void in-process A/B: with every chain it costs 20 copies a
-# step (1.8 us each) to concatenate the layers' new K/V rows, against 20 scatters without it.
-step 60 110 "decode step, stacked_kv on vs off (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 \
-  4096 --steps 16 --no-ops --ab-switch stacked_kv --json "$res/decode_ab_stacked_kv.json"
-step 60 110 "decode step, logprobs on vs off" python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 \
-  --no-ops --ab-switch logprobs+logprobs_argmax --json "$res/decode_ab_logprobs.json"
 # attn_chain on vs off with the other chains on in both arms (87 primitives a step with all on); context 4096 takes
 # its attn_chain_long variant (the cache split in 256, merged by attn_combine's phase).
 step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on)" \
