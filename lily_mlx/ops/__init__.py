@@ -189,10 +189,10 @@ def quantized_matmul_add(x, w, scales, biases, residual, *, group_size: int, bit
 # beats its quantized gather on CUDA (H200, bench/profile_prefill.py: 3.2 vs 4.7 ms at 2048 rows, 22 vs 5.3 ms at 16384).
 DEQUANT_GEMM_MIN_ROWS = 4096
 register_switch("moe_dequant_gemm", "prefill experts: dequantize to bf16, then MLX's grouped GEMM (CUDA)")
-# On for CUDA: H100 run 5 (2026-12-06), every chain, context 64, fresh processes in turn: the step's dispatch took
+# On for CUDA: H100 run 62 (2026-12-06), every chain, context 64, fresh processes in turn: the step's dispatch took
 # 1.27 / 1.35 ms of thread CPU with it, 1.89 / 1.78 without (MLX hashed ~2.8 MB of inline source a step: 19% of the
-# dispatch's samples in run 3's native profile). Its earlier "slower" verdicts came from in-process A/Bs that timed
-# one configuration in both arms (profile_decode.switch_ab).
+# dispatch's samples in run 60's native profile). Its earlier "slower" verdicts came from in-process A/Bs that timed
+# one configuration in both arms (profile_decode.switch_ab before the twenty-fifth session).
 register_switch("cuda_source_files", "CUDA kernel sources #included from files: MLX hashes a short stub per launch",
                 default_on="cuda")
 register_switch("kernel_cache", "CUDA kernels built once per machine into MLX's on-disk cache, which MLX reads but "
