@@ -9,7 +9,6 @@ the CPU time MLX takes to dispatch it, and each fused op of a layer timed alone 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -105,16 +104,11 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     from lily_mlx import ops
     from lily_mlx.decode import CompiledDecoder
 
-    def setting(on: bool) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for n in name.split("+"):  # a+b: both flipped together
-            stack.enter_context(ops.switched(n, on))
-        return stack
-
     cache = prefilled_cache(model, context, vocab)
     decoders = {}
     for on in (True, False):
-        with setting(on):  # a decoder takes its shared trace, keyed on the switches, when made
+        # a+b flips both; a decoder takes its shared trace, keyed on the switches, when made
+        with ops.switched(name.split("+"), on):
             dec = CompiledDecoder(model, cache, reserve=(rounds + 1) * (steps + 2) + 8)
             mx.eval(greedy_next(dec(mx.array([[1]]))))
         decoders[on] = dec
@@ -124,7 +118,7 @@ def switch_ab(model, context: int, steps: int, vocab: int, name: str, rounds: in
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             dec, tok = decoders[on], mx.array([[1]])
-            with setting(on):
+            with ops.switched(name.split("+"), on):
                 t0 = time.perf_counter()
                 nxt = greedy_next(dec(tok))
                 mx.async_eval(nxt)

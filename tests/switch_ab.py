@@ -3,7 +3,6 @@ check that the kernel path is taken and the logits agree."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import mlx.core as mx
@@ -64,9 +63,7 @@ def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Option
             tok = mx.argmax(logits, axis=-1)[:, None]
         return mx.stack(out)
 
-    with contextlib.ExitStack() as stack:
-        for name in superseded_by:
-            stack.enter_context(ops.switched(name, False))
+    with ops.switched(superseded_by, False):
         return _rel_err_on_vs_off(switch, run, kernel, calls)
 
 

@@ -375,16 +375,16 @@ def test_decode_switch_ab_runs_each_arm_under_its_setting(monkeypatch):
     decode = importlib.import_module(bench.__name__ + ".profile_decode")
     model = lily_mlx.load_model(EMBEDDED_4BIT_MODEL)[0]
     traced, sampled = [], []
+    setting = lambda: (ops.enabled("kv_scatter"), ops.enabled("logprobs"))  # noqa: E731  (a+b flips both)
     for name in ("_decode_step", "_stacked_step"):
         real = getattr(decode_mod, name)
-        monkeypatch.setattr(decode_mod, name, lambda *a, _real=real, **k: traced.append(ops.enabled("kv_scatter"))
-                            or _real(*a, **k))
+        monkeypatch.setattr(decode_mod, name, lambda *a, _real=real, **k: traced.append(setting()) or _real(*a, **k))
     real_next = decode.greedy_next
-    monkeypatch.setattr(decode, "greedy_next", lambda logits: sampled.append(ops.enabled("kv_scatter"))
-                        or real_next(logits))
-    ab = decode.switch_ab(model, 16, 2, 1000, "kv_scatter", rounds=2)
-    assert traced == [True, False]
-    assert sampled == [True, False] + [True] * 3 + [False] * 3 + [False] * 3 + [True] * 3
+    monkeypatch.setattr(decode, "greedy_next", lambda logits: sampled.append(setting()) or real_next(logits))
+    ab = decode.switch_ab(model, 16, 2, 1000, "kv_scatter+logprobs", rounds=2)
+    on, off = (True, True), (False, False)
+    assert traced == [on, off]
+    assert sampled == [on, off] + [on] * 3 + [off] * 3 + [off] * 3 + [on] * 3
     assert ab["on_ms"] > 0 and ab["off_ms"] > 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import mlx.core as mx
 
@@ -80,10 +80,12 @@ def disabled(*names: str):
 
 
 @contextmanager
-def switched(name: str, on: bool):
-    """Temporarily force one path on or off (an opt-in one too): `with ops.switched('deltanet_chunk', True): ...`."""
+def switched(names: Union[str, Iterable[str]], on: bool):
+    """Temporarily force one path (or several) on or off, opt-in ones too: `with ops.switched('deltanet_chunk', True):
+    ...`, `with ops.switched(('moe_chain', 'attn_chain'), False): ...`."""
     with disabled():  # restores every switch afterwards
-        set_enabled(name, on)
+        for name in [names] if isinstance(names, str) else names:
+            set_enabled(name, on)
         yield
 
 
