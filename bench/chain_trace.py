@@ -30,8 +30,9 @@ def phases(records: np.ndarray) -> dict:
     """records [blocks, 6] int32 of one launch (SM | phase << 16, start time, then ticket, resume, mark and end after
     it; ns, the start mod 2^32) -> the launch's span and, per phase, its blocks and SMs, the first and last start,
     the first and last resume (after the wait), the last end, a block's mean ticket latency (start to ticket), time
-    after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready) and after
-    its wait to its end, and the wake-up (first resume after the phase before's last end); times in us from the
+    after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready;
+    negative where the loads go out before the wait, as in moe_chain's down phase) and after its wait to its
+    end, and the wake-up (first resume after the phase before's last end); times in us from the
     launch's first start."""
     sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
     t = records[:, 1].astype(np.int64)
