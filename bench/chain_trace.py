@@ -39,7 +39,10 @@ def phases(records: np.ndarray) -> dict:
     t = (t - t[0] + 2**31) % 2**32 - 2**31  # the low 32 bits wrap every 4.3 s
     t -= t.min()
     ticket, resumed, marked, ended = (t + records[:, i] for i in (2, 3, 4, 5))
-    out, before_end = {"span_us": float(ended.max()) / 1e3, "phases": []}, None
+    # Blocks resident at once, on the GPU and on its fullest SM: whether a later phase's blocks could start early.
+    out, before_end = {"span_us": float(ended.max()) / 1e3, "peak_blocks": _peak_running(t, ended),
+                       "peak_per_sm": max(_peak_running(t[sm == s], ended[sm == s]) for s in set(sm.tolist())),
+                       "phases": []}, None
     for p in sorted(set(phase.tolist())):
         m = phase == p
         row = {"phase": p, "blocks": int(m.sum()), "sms": int(len(set(sm[m].tolist()))),
@@ -56,11 +59,18 @@ def phases(records: np.ndarray) -> dict:
     return out
 
 
+def _peak_running(starts: np.ndarray, ends: np.ndarray) -> int:
+    """The most intervals [start, end) open at one time."""
+    events = sorted([(int(e), -1) for e in ends] + [(int(s), 1) for s in starts])  # an end before a start at one time
+    return int(np.max(np.cumsum([d for _, d in events])))
+
+
 def mean_of(launches: list[dict]) -> dict:
     """The launches' phases() averaged field by field (launches of one kernel share their phases)."""
     avg = lambda xs: [float(v) for v in np.mean(np.array(xs, dtype=float), axis=0)] if isinstance(xs[0], list) \
         else float(np.mean(xs))
-    out = {"launches": len(launches), "span_us": avg([la["span_us"] for la in launches]), "phases": []}
+    out = {"launches": len(launches), **{k: avg([la[k] for la in launches])
+                                         for k in ("span_us", "peak_blocks", "peak_per_sm")}, "phases": []}
     for i, first in enumerate(launches[0]["phases"]):
         rows = [la["phases"][i] for la in launches if len(la["phases"]) > i]
         out["phases"].append({k: (first[k] if k == "phase" else avg([r[k] for r in rows if k in r]))
@@ -141,7 +151,8 @@ def main(argv=None) -> int:
         report["contexts"].append({"context": ctx, "kernels": kinds})
         for name, k in kinds.items():
             print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first block's start to the last end "
-                  f"({k['launches']} launches)")
+                  f"({k['launches']} launches); at most {k['peak_blocks']:.0f} blocks at once, "
+                  f"{k['peak_per_sm']:.0f} on one SM")
             for p in k["phases"]:
                 wake = f", woke {p['wake_us']:.2f} us after the phase before" if "wake_us" in p else ""
                 print(f"  phase {p['phase']}: {p['blocks']:.0f} blocks on {p['sms']:.0f} SMs, tickets "

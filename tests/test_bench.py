@@ -497,6 +497,7 @@ def test_chain_trace_reads_the_blocks_records(base):
                    dtype=np.int64).astype(np.int32)
     got = ct.phases(rec)
     assert got["span_us"] == pytest.approx(3.1)
+    assert (got["peak_blocks"], got["peak_per_sm"]) == (5, 2)  # SMs 0 and 1 run a block of each phase at 0.4 us
     p0, p1 = got["phases"]
     assert (p0["blocks"], p0["sms"], p1["blocks"], p1["sms"]) == (3, 3, 2, 2) and "wake_us" not in p0
     assert p0["tickets_us"] == pytest.approx([0.0, 0.2]) and p0["ended_us"] == pytest.approx(1.2)
@@ -506,7 +507,7 @@ def test_chain_trace_reads_the_blocks_records(base):
     assert p0["ticket_us"] == pytest.approx(0.06) and p1["ticket_us"] == 0.1 and p1["to_mark_us"] == 0.5
     later = ct.phases(np.concatenate([rec[:, :5], rec[:, 5:] + 1000], axis=1))  # every block ends 1 us later
     mean = ct.mean_of([got, later])
-    assert mean["launches"] == 2 and mean["span_us"] == pytest.approx(3.6)
+    assert mean["launches"] == 2 and mean["span_us"] == pytest.approx(3.6) and mean["peak_blocks"] == 5
     assert mean["phases"][1]["work_us"] == pytest.approx(2.0) and mean["phases"][1]["blocks"] == 2
 
 
