@@ -108,19 +108,18 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# The in-process A/B, fixed in the twenty-fifth session (before, both arms ran the process's default), against run 62's
-# fresh-process pairs: cuda_source_files (on by default since) took the chained step's dispatch from 1.78-1.89 ms of
-# thread CPU to 1.27-1.35. If this A/B shows the same, the in-process A/Bs below measure again.
-step 60 110 "decode step, cuda_source_files on vs off (every chain on)" python3 -m bench.profile_decode --model "$model" \
-  --context 64 --steps 16 --no-ops --ab-switch cuda_source_files --json "$res/decode_ab_source_files_chains.json"
-# The sampling step (logprobs and the greedy token, as generate_step takes them) in one launch vs MLX's logsumexp,
-# subtract and argmax, each of those one block over the 248,320 logits.
-step 60 110 "decode step, logprobs on vs off" python3 -m bench.profile_decode --model "$model" --context 64 --steps 16 \
-  --no-ops --ab-switch logprobs+logprobs_argmax --json "$res/decode_ab_logprobs.json"
-# stacked_kv (on since the third session) rested on a void in-process A/B: with every chain it costs 20 copies a
-# step (1.8 us each) to concatenate the layers' new K/V rows, against 20 scatters without it.
-step 60 110 "decode step, stacked_kv on vs off (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 \
-  4096 --steps 16 --no-ops --ab-switch stacked_kv --json "$res/decode_ab_stacked_kv.json"
+# moe_chain's blocks (twenty-sixth session, run 67): at most 528 ran at once, 4 an SM, where 96 registers allow 5.
+# ncu's occupancy section names the limit (its "Block Limit" lines); the SASS page shows where the phases stall.
+step 60 200 "ncu occupancy and source counters of moe_chain (context 64)" env KERNEL=moe_chain \
+  bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
+# When a routed gate/up job stages x' (experiment constant LILY_MOE_STAGE_EARLY, sync_cuda.h): 1 (default) before its
+# wait for the router, 0 after its weight loads, 2 before the wait only while the router's phase runs. Run 67: the
+# late jobs (started after the router) stage before their loads under 1, so 2 may shorten the gate/up phase.
+for order in 0 2; do
+  step 60 120 "every chain on the GPU's timeline, LILY_MOE_STAGE_EARLY=$order" \
+    env LILY_MLX_KERNEL_DEFINES=LILY_MOE_STAGE_EARLY=$order python3 -m bench.gpu_timeline --model "$model" --context 64 \
+    --json "$res/timeline_chains_stage_early_$order.json"
+done
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

@@ -70,6 +70,38 @@ def test_chain_emulated_matches_oracle(tmp_path):
         assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
 
 
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+@pytest.mark.parametrize("order", ["0", "2"])
+def test_chain_staging_orders_emulated(tmp_path, monkeypatch, order):
+    """LILY_MOE_STAGE_EARLY's other orders of a routed gate/up job's staging of x' (0: after its weight loads; 2:
+    before its wait only while the router's phase runs, which the emulator's one-at-a-time threadgroups never see)
+    give the oracles' results, in index order and last first; the counters come back zero."""
+    monkeypatch.setenv(kernels.DEFINES_ENV, f"LILY_MOE_STAGE_EARLY={order}")
+    kernels.experiment_values.cache_clear()
+    emu, checks = Emulator(tmp_path), []
+    try:
+        for n, (c, rbits, rgs) in enumerate(CHAIN[:2]):
+            M, k, E, H, I, IS, gs, bits, dt = c[:9]
+            a, router = _case(c), _router(c, rbits, rgs)
+            p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits)
+            inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs,
+                                      normalize=a["normalize"], p=p)
+            args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
+            threads = 32 * p["WARPS"]
+            src = kernels.full_source(moe_chain.SPEC, "metal", inst)[1]
+            assert f"#define LILY_MOE_STAGE_EARLY {order}\n" in src
+            emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
+                    [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
+                    read_back=(len(args) - 1,))
+            checks.append((c, a, router))
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_values.cache_clear()
+    for (c, a, router), (y, logits, packed, sync) in zip(checks, emu.run()):
+        _check(c, a, router, y, logits, packed)
+        assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
+
+
 def test_plan_shares_one_block_size():
     """The three phases run in blocks of one size: down's rows are planned for gate/up's warps, and the router's
     rows per block are a warp's rows in flight (one 16-byte chunk of 8-bit codes a lane: 4 chunks at H = 2048)."""
