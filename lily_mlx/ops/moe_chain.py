@@ -2,7 +2,8 @@
 logits, moe_gate_up's body and moe_down_combine's body as three phases of one grid, ordered through counters in
 device memory. A decode step is bound by MLX's CPU cost per launch (H200: ~12.8 us for each of its 247 primitives,
 BENCHMARKS.md); this takes the router's and the down step's launches out of every layer (80 of the 247 at the
-35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once.
+35B-A3B shape) and leaves the GPU's work as the separate kernels do it, the router computed once. The down phase routes
+each token again from the logits (each gate/up job does too), so its weight loads go out before h is written.
 
 Each launch gets its own counters (`kernels.sync_counters`), int32 zeros that it leaves zero again. Switch
 "moe_chain", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal.
