@@ -120,6 +120,12 @@ for order in 0 2; do
     env LILY_MLX_KERNEL_DEFINES=LILY_MOE_STAGE_EARLY=$order python3 -m bench.gpu_timeline --model "$model" --context 64 \
     --json "$res/timeline_chains_stage_early_$order.json"
 done
+# attn_chain_long at 4096 (run 65): 512 attention blocks in two waves (2 resident an SM, 231 projection blocks ahead),
+# 11.4 us each; the merge of 256 splits 6 us. Fewer, longer splits (LILY_MLX_PLAN=attn_chain.BLOCKS) fit one wave.
+for blocks in 256 128; do
+  step 60 120 "every chain on the GPU's timeline at 4096, attn_chain.BLOCKS=$blocks" env LILY_MLX_PLAN=attn_chain.BLOCKS=$blocks \
+    python3 -m bench.gpu_timeline --model "$model" --context 4096 --json "$res/timeline_chains_attn_blocks_$blocks.json"
+done
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

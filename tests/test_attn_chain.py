@@ -224,6 +224,38 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
                 assert "attn_chain" not in run(256)[0][0]
 
 
+def test_plan_override_sets_the_attention_phases_blocks(monkeypatch):
+    """LILY_MLX_PLAN=attn_chain.BLOCKS=n: a long cache's attention phase splits into about n blocks (the grid and
+    the partials follow), attn_decode's default elsewhere; a short cache stays whole."""
+    seen = []
+
+    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
+        seen.append((output_shapes[2][2], grid[0] // group[0]))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(kernels, "call", standin)
+
+    def splits(cap):
+        case = Case(1, 16, 2, 256, 64, cap, cap - 1, BF16, theta=1e7)
+        x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = _inputs(case, 2048, 4, 64, 96, 4)
+        seen.clear()
+        ac.decode_add(x, norm, qkv, qn, kn, 1e-6, keys, values, offset, o_proj, res, backend="cuda", **case.kw())
+        return seen[0]
+
+    default = splits(4096)
+    assert default[0] == ad.TARGET_BLOCKS // 2 == ad.splits(1, 2, 4096)
+    try:
+        monkeypatch.setenv(kernels.PLAN_ENV, "attn_chain.BLOCKS=128")
+        kernels.plan_overrides.cache_clear()
+        ns, blocks = splits(4096)
+        assert ns == 64 and blocks == default[1] - 2 * (default[0] - 64)  # two kv heads, 64 splits each
+        assert splits(32)[0] == 1
+    finally:
+        monkeypatch.delenv(kernels.PLAN_ENV)
+        kernels.plan_overrides.cache_clear()
+    assert splits(4096) == default
+
+
 def _gpu(backend, case, K, bits, gs, H, obits, fold):
     """Right, and assert_launches_agree: launches in one eval on counters of their own, equal, counters zero after."""
     inputs = _inputs(case, K, bits, gs, H, obits)

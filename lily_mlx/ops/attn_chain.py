@@ -117,10 +117,11 @@ _LAUNCH: dict = {}  # argument signature -> (spec name, template, grid, threadgr
 
 def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, kw, rows, fold):
     wide, prefetch = enabled("attn_decode_wide"), enabled("chain_prefetch")
+    target = kernels.plan_overrides().get("attn_chain", {}).get("BLOCKS", ad.TARGET_BLOCKS)
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           wide, prefetch, kernels.sm_count())
+           wide, prefetch, target, kernels.sm_count())
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -128,7 +129,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     heads = (kw["n_heads"], kw["n_kv_heads"], kw["rope_dims"], kw["scale"], kw["plane"])
     if unsupported(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, *heads, rows) is None:
         (B, L, K), (_, Hkv, cap, D), Hq = x.shape, keys.shape, kw["n_heads"]
-        ns = ad.splits(B * L, Hkv, cap)
+        ns = ad.splits(B * L, Hkv, cap, target)
         fold = fold and ns <= FOLD_MAX_SPLITS
         w, scales, _, bits, group_size = qkv
         wo, so, _, obits, ogs = o_proj

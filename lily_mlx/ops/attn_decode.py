@@ -35,12 +35,12 @@ SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS",
                "ROWS", "TOKS", "WIDE")
 
 
-def splits(rows: int, n_kv_heads: int, capacity: int) -> int:
+def splits(rows: int, n_kv_heads: int, capacity: int, target_blocks: int = TARGET_BLOCKS) -> int:
     """Blocks per (row, kv head), rows = batch rows x new tokens: 1 up to SINGLE_MAX cached positions, then enough
-    to fill the GPU."""
+    to fill the GPU (about target_blocks in all)."""
     if capacity <= SINGLE_MAX:
         return 1
-    return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, TARGET_BLOCKS // (rows * n_kv_heads))))
+    return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, target_blocks // (rows * n_kv_heads))))
 
 
 def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
