@@ -42,7 +42,7 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_SYNC_SLEEP_NS=0"), ("", "", "LILY_SYNC_SLEEP_NS=1024"), ("", "", "LILY_CHAIN_TRACE=4096"),
-    (UNCHAINED, "moe_gate_up.WARPS=4", ""), ("", "", "LILY_CODE_LOP3=1"), (UNCHAINED, "", "LILY_CODE_LOP3=1"),
+    ("", "", "LILY_MOE_STAGE_EARLY=0"), ("", "", "LILY_MOE_STAGE_EARLY=2"),
 ]
 CONTEXTS = (64, 4096)
 
