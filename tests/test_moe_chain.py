@@ -46,13 +46,10 @@ def _check(c, a, router, y, logits, packed):
     return _check_down(c, dict(a, h=h, hs=hs, inds=ids, scores=w, logits=logits, residual=a["x"]), y)
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_matches_oracle(tmp_path):
-    """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
-    first; the counters come back zero."""
-    emu, checks = Emulator(tmp_path, packed_twins=True), []  # packed weights too, bit for bit the same
-    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
-    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
+def _emulate(emu, runs) -> list:
+    """Adds each run ((case, router bits, router group), forced plan or None, prefetch) to the emulator, every second
+    one with its threadgroups last first; -> (case, its arrays, router) per run, for _check_emulated."""
+    checks = []
     for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
@@ -65,9 +62,25 @@ def test_chain_emulated_matches_oracle(tmp_path):
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
                 read_back=(len(args) - 1,))
         checks.append((c, a, router))
-    for (c, a, router), (y, logits, packed, sync) in zip(checks, emu.run()):
+    return checks
+
+
+def _check_emulated(checks, results) -> None:
+    """Each run against the oracles, phase by phase; its counters back at zero."""
+    for (c, a, router), (y, logits, packed, sync) in zip(checks, results):
         _check(c, a, router, y, logits, packed)
         assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_oracle(tmp_path):
+    """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
+    first; the counters come back zero."""
+    emu = Emulator(tmp_path, packed_twins=True)  # packed weights too, bit for bit the same
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
+    checks = _emulate(emu, runs)
+    _check_emulated(checks, emu.run())
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
@@ -78,28 +91,14 @@ def test_chain_staging_orders_emulated(tmp_path, monkeypatch, order):
     give the oracles' results, in index order and last first; the counters come back zero."""
     monkeypatch.setenv(kernels.DEFINES_ENV, f"LILY_MOE_STAGE_EARLY={order}")
     kernels.experiment_values.cache_clear()
-    emu, checks = Emulator(tmp_path), []
+    emu = Emulator(tmp_path)
     try:
-        for n, (c, rbits, rgs) in enumerate(CHAIN[:2]):
-            M, k, E, H, I, IS, gs, bits, dt = c[:9]
-            a, router = _case(c), _router(c, rbits, rgs)
-            p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits)
-            inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs,
-                                      normalize=a["normalize"], p=p)
-            args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
-            threads = 32 * p["WARPS"]
-            src = kernels.full_source(moe_chain.SPEC, "metal", inst)[1]
-            assert f"#define LILY_MOE_STAGE_EARLY {order}\n" in src
-            emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
-                    [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
-                    read_back=(len(args) - 1,))
-            checks.append((c, a, router))
+        checks = _emulate(emu, [(r, None, False) for r in CHAIN[:2]])
+        assert emu.sources and all(f"#define LILY_MOE_STAGE_EARLY {order}\n" in src for src in emu.sources.values())
     finally:
         monkeypatch.delenv(kernels.DEFINES_ENV)
         kernels.experiment_values.cache_clear()
-    for (c, a, router), (y, logits, packed, sync) in zip(checks, emu.run()):
-        _check(c, a, router, y, logits, packed)
-        assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
+    _check_emulated(checks, emu.run())
 
 
 def test_plan_shares_one_block_size():
