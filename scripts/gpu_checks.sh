@@ -120,6 +120,16 @@ for order in 0 2; do
     env LILY_MLX_KERNEL_DEFINES=LILY_MOE_STAGE_EARLY=$order python3 -m bench.gpu_timeline --model "$model" --context 64 \
     --json "$res/timeline_chains_stage_early_$order.json"
 done
+# deltanet_chain_out's output projection (run 67's trace): its 128 blocks take their tickets at 11.5-18.7 us, about 100
+# of them as the input projection's blocks end, yet send their weight loads only after their wait for the recurrence
+# (resumed at 19 us, 4.1 us of work). LILY_DELTANET_OUT_EARLY=1 sends them before the wait; ORPS=2 makes the phase 64
+# blocks, which fit the SMs the recurrence's 32 leave free.
+for cfg in "LILY_DELTANET_OUT_EARLY=1:" "LILY_DELTANET_OUT_EARLY=1:deltanet_chain_out.ORPS=2" ":deltanet_chain_out.ORPS=2"; do
+  defs=${cfg%%:*} plan=${cfg#*:}
+  step 60 120 "every chain on the GPU's timeline, ${defs:-defaults}${plan:+, $plan}" \
+    env LILY_MLX_KERNEL_DEFINES="$defs" LILY_MLX_PLAN="$plan" python3 -m bench.gpu_timeline --model "$model" \
+    --context 64 --json "$res/timeline_chains_out_${defs##*=}_${plan##*=}.json"
+done
 # attn_chain_long at 4096 (run 65): 512 attention blocks in two waves (2 resident an SM, 231 projection blocks ahead),
 # 11.4 us each; the merge of 256 splits 6 us. Fewer, longer splits (LILY_MLX_PLAN=attn_chain.BLOCKS) fit one wave.
 for blocks in 256 128; do

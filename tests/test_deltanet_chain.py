@@ -83,15 +83,10 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
         _close(case, "h", got[4], x.astype(F32) + _matmul_ref(out, out_proj))
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_matches_reference(tmp_path):
-    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same."""
-    emu, checks = Emulator(tmp_path, packed_twins=True), []
-    # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
-    # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
-    runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
-    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
+def _emulate(emu, runs):
+    """Queues each run (case, with_out, prefetch, sms) on the emulator, threadgroups last first in every other one;
+    -> what _check_emulated needs of each."""
+    checks = []
     for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
@@ -117,9 +112,43 @@ def test_chain_emulated_matches_reference(tmp_path):
         emu.add(dc.OUT_SPEC if with_out else dc.SPEC, inst, args, (blocks * threads, 1, 1), (threads, 1, 1), shapes,
                 reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append(((case, x, norm, in_proj, params, conv_state, state, mask), out_proj))
-    for (c, out_proj), (*got, sync) in zip(checks, emu.run()):
+    return checks
+
+
+def _check_emulated(checks, results):
+    for (c, out_proj), (*got, sync) in zip(checks, results):
         _check(*c, got, out_proj)
         assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_reference(tmp_path):
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
+    whose weights pack also with packed weights, bit for bit the same."""
+    emu = Emulator(tmp_path, packed_twins=True)
+    # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
+    # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
+    runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
+    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
+    checks = _emulate(emu, runs)
+    _check_emulated(checks, emu.run())
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_out_early_loads_emulated(tmp_path, monkeypatch):
+    """LILY_DELTANET_OUT_EARLY=1: the output projection's blocks send their weight loads before the wait for the
+    recurrence (qmv.inc's LILY_QMV_BEFORE_STAGE); every deltanet_chain_out case still matches the references, in
+    index order and last first, and the counters come back zero."""
+    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_DELTANET_OUT_EARLY=1")
+    kernels.experiment_values.cache_clear()
+    emu = Emulator(tmp_path)
+    try:
+        checks = _emulate(emu, [(c, True, False, None) for c in OUT_CASES])
+        assert emu.sources and all("#define LILY_DELTANET_OUT_EARLY 1\n" in src for src in emu.sources.values())
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_values.cache_clear()
+    _check_emulated(checks, emu.run())
 
 
 def test_plan_runs_both_phases_in_the_steps_blocks():
@@ -141,6 +170,23 @@ def test_plan_fits_the_projection_in_one_wave_where_it_can():
     for sms in (None, 114, 193, 264):
         assert (wide(sms)["qmv"]["RPS"], wide(sms)["proj_blocks"]) == (4, 193), sms
     assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 4  # rows of x beyond one: as planned
+
+
+def test_plan_override_sets_the_output_phases_rows(monkeypatch):
+    """LILY_MLX_PLAN=deltanet_chain_out.ORPS=n: the output projection's rows a lane segment, its blocks following
+    (the 35B layer: 2048 rows in blocks of 16 warps); the other phases keep their plan."""
+    shape = (1, 2048, 12352, 4, 128, 128, (4096, 2048, 4), 132)
+    default = dc.plan(*shape)
+    assert (default["out"]["RPS"], default["out"]["blocks"], default["out"]["LANES"]) == (1, 128, 32)
+    try:
+        monkeypatch.setenv(kernels.PLAN_ENV, "deltanet_chain_out.ORPS=2")
+        kernels.plan_overrides.cache_clear()
+        p = dc.plan(*shape)
+    finally:
+        monkeypatch.delenv(kernels.PLAN_ENV)
+        kernels.plan_overrides.cache_clear()
+    assert (p["out"]["RPS"], p["out"]["blocks"]) == (2, 64)
+    assert {k: v for k, v in p.items() if k != "out"} == {k: v for k, v in default.items() if k != "out"}
 
 
 def test_unsupported_arguments_are_declined():

@@ -591,7 +591,8 @@ def experiment_values() -> dict[str, str]:
 PLAN_ENV = "LILY_MLX_PLAN"
 PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
 PLANNED["attn_chain"] = ("BLOCKS",)  # the attention phase's blocks to aim for when it splits a cache
-PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096}
+PLANNED["deltanet_chain_out"] = ("ORPS",)  # the output projection phase's rows a lane segment
+PLAN_LIMITS = {"RPS": 8, "ORPS": 8, "WARPS": 32, "BLOCKS": 4096}
 
 
 @functools.lru_cache(maxsize=None)
