@@ -32,7 +32,7 @@ def phases(records: np.ndarray) -> dict:
     the first and last resume (after the wait), the last end, a block's mean ticket latency (start to ticket), time
     after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready;
     negative where the loads go out before the wait, as in moe_chain's down phase) and after its wait to its
-    end, and the wake-up (first resume after the phase before's last end); times in us from the
+    end (mean and most), which block of the phase ended last, and the wake-up (first resume after the phase before's last end); times in us from the
     launch's first start."""
     sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
     t = records[:, 1].astype(np.int64)
@@ -51,7 +51,11 @@ def phases(records: np.ndarray) -> dict:
                "ended_us": float(ended[m].max()) / 1e3,
                "ticket_us": float((ticket[m] - t[m]).mean()) / 1e3,
                "to_mark_us": float((marked[m] - resumed[m]).mean()) / 1e3,
-               "work_us": float((ended[m] - resumed[m]).mean()) / 1e3}
+               "work_us": float((ended[m] - resumed[m]).mean()) / 1e3,
+               "work_max_us": float((ended[m] - resumed[m]).max()) / 1e3,
+               # rows are in ticket order: the block that ended last, by its place in the phase (attn_chain's
+               # attention phase: kv head x splits + split)
+               "last_block": int(np.argmax(ended[m]))}
         if before_end is not None:
             row["wake_us"] = row["resumed_us"][0] - before_end
         before_end = row["ended_us"]
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
                 print(f"  phase {p['phase']}: {p['blocks']:.0f} blocks on {p['sms']:.0f} SMs, tickets "
                       f"{p['tickets_us'][0]:.2f}-{p['tickets_us'][1]:.2f}, resumed {p['resumed_us'][0]:.2f}-"
                       f"{p['resumed_us'][1]:.2f}{wake}, ended by {p['ended_us']:.2f}; a block's ticket "
-                      f"{p['ticket_us']:.2f} us, work {p['work_us']:.2f} us ({p['to_mark_us']:.2f} to its mark)",
+                      f"{p['ticket_us']:.2f} us, work {p['work_us']:.2f} us ({p['to_mark_us']:.2f} to its mark), "
+                      f"at most {p['work_max_us']:.2f}; last to end: block {p['last_block']:.0f} of the phase",
                       flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
