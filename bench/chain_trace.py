@@ -69,16 +69,21 @@ def _peak_running(starts: np.ndarray, ends: np.ndarray) -> int:
     return int(np.max(np.cumsum([d for _, d in events])))
 
 
+def _mode(values: list) -> int:
+    return int(np.bincount(np.asarray(values)).argmax())
+
+
 def mean_of(launches: list[dict]) -> dict:
-    """The launches' phases() averaged field by field (launches of one kernel share their phases)."""
+    """The launches' phases() averaged field by field (launches of one kernel share their phases), but for the block
+    that ended last: the one that did so most often."""
     avg = lambda xs: [float(v) for v in np.mean(np.array(xs, dtype=float), axis=0)] if isinstance(xs[0], list) \
         else float(np.mean(xs))
     out = {"launches": len(launches), **{k: avg([la[k] for la in launches])
                                          for k in ("span_us", "peak_blocks", "peak_per_sm")}, "phases": []}
     for i, first in enumerate(launches[0]["phases"]):
         rows = [la["phases"][i] for la in launches if len(la["phases"]) > i]
-        out["phases"].append({k: (first[k] if k == "phase" else avg([r[k] for r in rows if k in r]))
-                              for k in first})
+        out["phases"].append({k: (first[k] if k == "phase" else _mode([r[k] for r in rows]) if k == "last_block"
+                                  else avg([r[k] for r in rows if k in r])) for k in first})
     return out
 
 
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
                       f"{p['tickets_us'][0]:.2f}-{p['tickets_us'][1]:.2f}, resumed {p['resumed_us'][0]:.2f}-"
                       f"{p['resumed_us'][1]:.2f}{wake}, ended by {p['ended_us']:.2f}; a block's ticket "
                       f"{p['ticket_us']:.2f} us, work {p['work_us']:.2f} us ({p['to_mark_us']:.2f} to its mark), "
-                      f"at most {p['work_max_us']:.2f}; last to end: block {p['last_block']:.0f} of the phase",
+                      f"at most {p['work_max_us']:.2f}; last to end most often: block {p['last_block']} of the phase",
                       flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))

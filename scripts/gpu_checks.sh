@@ -130,12 +130,12 @@ for cfg in "LILY_DELTANET_OUT_EARLY=1:" "LILY_DELTANET_OUT_EARLY=1:deltanet_chai
     env LILY_MLX_KERNEL_DEFINES="$defs" LILY_MLX_PLAN="$plan" python3 -m bench.gpu_timeline --model "$model" \
     --context 64 --json "$res/timeline_chains_out_${defs##*=}_${plan##*=}.json"
 done
-# attn_chain_long at 4096 (run 65): 512 attention blocks in two waves (2 resident an SM, 231 projection blocks ahead),
-# 11.4 us each; the merge of 256 splits 6 us. Fewer, longer splits (LILY_MLX_PLAN=attn_chain.BLOCKS) fit one wave.
-for blocks in 256 128; do
-  step 60 120 "every chain on the GPU's timeline at 4096, attn_chain.BLOCKS=$blocks" env LILY_MLX_PLAN=attn_chain.BLOCKS=$blocks \
-    python3 -m bench.gpu_timeline --model "$model" --context 4096 --json "$res/timeline_chains_attn_blocks_$blocks.json"
-done
+# attn_chain_long's attention phase aims for attn_chain.TARGET_BLOCKS = 256 blocks (one wave behind the projection's
+# 231, two an SM): at 4096, 62.3 -> 53.8 us a launch against attn_decode's 512 (run 68). A longer cache, and 512 again.
+step 60 120 "every chain on the GPU's timeline at 16384" python3 -m bench.gpu_timeline --model "$model" --context 16384 \
+  --json "$res/timeline_chains_16384.json"
+step 60 120 "every chain on the GPU's timeline at 4096 and 16384, attn_chain.BLOCKS=512" env LILY_MLX_PLAN=attn_chain.BLOCKS=512 \
+  python3 -m bench.gpu_timeline --model "$model" --context 4096 16384 --json "$res/timeline_chains_attn_blocks_512.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

@@ -42,8 +42,8 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_SYNC_SLEEP_NS=0"), ("", "", "LILY_SYNC_SLEEP_NS=1024"), ("", "", "LILY_CHAIN_TRACE=4096"),
-    ("", "", "LILY_MOE_STAGE_EARLY=0"), ("", "", "LILY_MOE_STAGE_EARLY=2"), ("", "attn_chain.BLOCKS=256", ""),
-    ("", "attn_chain.BLOCKS=128", ""), ("", "", "LILY_DELTANET_OUT_EARLY=1"),
+    ("", "", "LILY_MOE_STAGE_EARLY=0"), ("", "", "LILY_MOE_STAGE_EARLY=2"), ("", "attn_chain.BLOCKS=512", ""),
+    ("", "", "LILY_DELTANET_OUT_EARLY=1"),
     ("", "deltanet_chain_out.ORPS=2", "LILY_DELTANET_OUT_EARLY=1"), ("", "deltanet_chain_out.ORPS=2", ""),
 ]
 CONTEXTS = (64, 4096)

@@ -225,8 +225,8 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
 
 
 def test_plan_override_sets_the_attention_phases_blocks(monkeypatch):
-    """LILY_MLX_PLAN=attn_chain.BLOCKS=n: a long cache's attention phase splits into about n blocks (the grid and
-    the partials follow), attn_decode's default elsewhere; a short cache stays whole."""
+    """A long cache's attention phase splits into about ac.TARGET_BLOCKS blocks, or n under LILY_MLX_PLAN=
+    attn_chain.BLOCKS=n (the grid and the partials follow); a short cache stays whole."""
     seen = []
 
     def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
@@ -243,7 +243,7 @@ def test_plan_override_sets_the_attention_phases_blocks(monkeypatch):
         return seen[0]
 
     default = splits(4096)
-    assert default[0] == ad.TARGET_BLOCKS // 2 == ad.splits(1, 2, 4096)
+    assert default[0] == ac.TARGET_BLOCKS // 2 == ad.splits(1, 2, 4096, ac.TARGET_BLOCKS) == 128
     try:
         monkeypatch.setenv(kernels.PLAN_ENV, "attn_chain.BLOCKS=128")
         kernels.plan_overrides.cache_clear()

@@ -511,6 +511,7 @@ def test_chain_trace_reads_the_blocks_records(base):
     mean = ct.mean_of([got, later])
     assert mean["launches"] == 2 and mean["span_us"] == pytest.approx(3.6) and mean["peak_blocks"] == 5
     assert mean["phases"][1]["work_us"] == pytest.approx(2.0) and mean["phases"][1]["blocks"] == 2
+    assert ct.mean_of([got, later, ct.phases(rec[::-1])])["phases"][0]["last_block"] == 2  # the most frequent
 
 
 def test_chain_trace_needs_its_define(monkeypatch):

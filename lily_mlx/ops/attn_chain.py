@@ -28,6 +28,9 @@ SM_REGISTERS = 64 * 1024
 # at 17 splits (context 64 in a 272-position cache) that phase took 19.9 us a block; merging once in a phase of its
 # own (attn_chain_long) made the launch 43.4 us instead of 60.9 (H100, run 48). Unchained, qmv_attn saves a launch.
 FOLD_MAX_SPLITS = 1
+# The blocks a long cache's attention phase aims for (attn_decode's own: 512). Behind the projection's 231 blocks, two
+# an SM, 512 ran in two waves; 256 fit one: 62.3 -> 53.8 us a launch at context 4096, 128 took 63.7 (H100, run 68).
+TARGET_BLOCKS = 256
 
 
 def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: int, fold: bool,
@@ -117,7 +120,7 @@ _LAUNCH: dict = {}  # argument signature -> (spec name, template, grid, threadgr
 
 def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, kw, rows, fold):
     wide, prefetch = enabled("attn_decode_wide"), enabled("chain_prefetch")
-    target = kernels.plan_overrides().get("attn_chain", {}).get("BLOCKS", ad.TARGET_BLOCKS)
+    target = kernels.plan_overrides().get("attn_chain", {}).get("BLOCKS", TARGET_BLOCKS)
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
