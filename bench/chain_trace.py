@@ -13,7 +13,8 @@ copy made on the GPU; only there bundled_weights applies). Counters in managed m
 stall a launch's first tickets once the host has touched their page: every block started in the first ~0.1 us got
 its ticket 6-17 us later (runs 43-49), a stall of the trace's own making, since the compiled step's kernels take as
 long without it (run 50, H100: 2,506 us a step with device_counters off, 2,522 on; tickets then 0.2-0.5 us). Needs
-MLX's CUDA backend.
+MLX's CUDA backend. The traced build can take more registers than the kernel it traces, so fewer of its blocks fit
+an SM: moe_chain 128 against 96 (NVRTC), 4 blocks an SM against 5 (ncu, run 68), so its phase 1 starts later here.
 """
 
 from __future__ import annotations

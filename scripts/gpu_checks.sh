@@ -112,23 +112,12 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 # ncu's occupancy section names the limit (its "Block Limit" lines); the SASS page shows where the phases stall.
 step 60 200 "ncu occupancy and source counters of moe_chain (context 64)" env KERNEL=moe_chain \
   bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# When a routed gate/up job stages x' (experiment constant LILY_MOE_STAGE_EARLY, sync_cuda.h): 1 (default) before its
-# wait for the router, 0 after its weight loads, 2 before the wait only while the router's phase runs. Run 67: the
-# late jobs (started after the router) stage before their loads under 1, so 2 may shorten the gate/up phase.
-for order in 0 2; do
-  step 60 120 "every chain on the GPU's timeline, LILY_MOE_STAGE_EARLY=$order" \
-    env LILY_MLX_KERNEL_DEFINES=LILY_MOE_STAGE_EARLY=$order python3 -m bench.gpu_timeline --model "$model" --context 64 \
-    --json "$res/timeline_chains_stage_early_$order.json"
-done
-# deltanet_chain_out's output projection (run 67's trace): its 128 blocks take their tickets at 11.5-18.7 us, about 100
-# of them as the input projection's blocks end, yet send their weight loads only after their wait for the recurrence
-# (resumed at 19 us, 4.1 us of work). LILY_DELTANET_OUT_EARLY=1 sends them before the wait; ORPS=2 makes the phase 64
-# blocks, which fit the SMs the recurrence's 32 leave free.
-for cfg in "LILY_DELTANET_OUT_EARLY=1:" "LILY_DELTANET_OUT_EARLY=1:deltanet_chain_out.ORPS=2" ":deltanet_chain_out.ORPS=2"; do
-  defs=${cfg%%:*} plan=${cfg#*:}
-  step 60 120 "every chain on the GPU's timeline, ${defs:-defaults}${plan:+, $plan}" \
-    env LILY_MLX_KERNEL_DEFINES="$defs" LILY_MLX_PLAN="$plan" python3 -m bench.gpu_timeline --model "$model" \
-    --context 64 --json "$res/timeline_chains_out_${defs##*=}_${plan##*=}.json"
+# Candidates for the defaults, each an experiment constant: LILY_DELTANET_OUT_EARLY=1 (deltanet_chain_out's output
+# projection sends its loads before its wait: 25.0 -> 24.8 us a launch, run 68) and LILY_SYNC_FENCE=1 (the hand-offs'
+# fences acq_rel, not sc: every chain wakes ~1 us after the phase before, 170 wake-ups a step).
+for defs in LILY_DELTANET_OUT_EARLY=1 LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1; do
+  step 60 120 "every chain on the GPU's timeline, $defs" env LILY_MLX_KERNEL_DEFINES="$defs" python3 -m bench.gpu_timeline \
+    --model "$model" --context 64 4096 --json "$res/timeline_chains_${defs//[=,]/_}.json"
 done
 # attn_chain_long's attention phase aims for attn_chain.TARGET_BLOCKS = 256 blocks (one wave behind the projection's
 # 231, two an SM): at 4096, 62.3 -> 53.8 us a launch against attn_decode's 512 (run 68). A longer cache, and 512 again.

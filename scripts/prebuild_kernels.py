@@ -41,10 +41,9 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_SYNC_SLEEP_NS=0"), ("", "", "LILY_SYNC_SLEEP_NS=1024"), ("", "", "LILY_CHAIN_TRACE=4096"),
-    ("", "", "LILY_MOE_STAGE_EARLY=0"), ("", "", "LILY_MOE_STAGE_EARLY=2"), ("", "attn_chain.BLOCKS=512", ""),
-    ("", "", "LILY_DELTANET_OUT_EARLY=1"),
-    ("", "deltanet_chain_out.ORPS=2", "LILY_DELTANET_OUT_EARLY=1"), ("", "deltanet_chain_out.ORPS=2", ""),
+    ("", "", "LILY_CHAIN_TRACE=4096"), ("", "", "LILY_DELTANET_OUT_EARLY=1"),
+    ("", "", "LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1"), ("", "attn_chain.BLOCKS=512", ""),
+    ("", "attn_chain.BLOCKS=512", "LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1"),
 ]
 CONTEXTS = (64, 4096)
 
