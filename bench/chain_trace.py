@@ -56,12 +56,21 @@ def phases(records: np.ndarray) -> dict:
                "work_max_us": float((ended[m] - resumed[m]).max()) / 1e3,
                # rows are in ticket order: the block that ended last, by its place in the phase (attn_chain's
                # attention phase: kv head x splits + split)
-               "last_block": int(np.argmax(ended[m]))}
+               "last_block": int(np.argmax(ended[m])),
+               "slowest": _slowest(m, sm, t, resumed, marked, ended)}
         if before_end is not None:
             row["wake_us"] = row["resumed_us"][0] - before_end
         before_end = row["ended_us"]
         out["phases"].append(row)
     return out
+
+
+def _slowest(m, sm, t, resumed, marked, ended, n: int = 3) -> list[dict]:
+    """The n blocks of a phase (mask m) with the most work after their wait: place in the phase, SM and times (us)."""
+    idx = np.flatnonzero(m)
+    return [{"block": int(i), "sm": int(sm[idx[i]]), **{f"{k}_us": float(v[idx[i]]) / 1e3 for k, v in
+             (("start", t), ("resumed", resumed), ("marked", marked), ("ended", ended))}}
+            for i in np.argsort(-(ended[m] - resumed[m]), kind="stable")[:n]]
 
 
 def _peak_running(starts: np.ndarray, ends: np.ndarray) -> int:
@@ -76,15 +85,15 @@ def _mode(values: list) -> int:
 
 def mean_of(launches: list[dict]) -> dict:
     """The launches' phases() averaged field by field (launches of one kernel share their phases), but for the block
-    that ended last: the one that did so most often."""
+    that ended last (the one that did so most often) and the slowest blocks (the first launch's)."""
     avg = lambda xs: [float(v) for v in np.mean(np.array(xs, dtype=float), axis=0)] if isinstance(xs[0], list) \
         else float(np.mean(xs))
     out = {"launches": len(launches), **{k: avg([la[k] for la in launches])
                                          for k in ("span_us", "peak_blocks", "peak_per_sm")}, "phases": []}
     for i, first in enumerate(launches[0]["phases"]):
         rows = [la["phases"][i] for la in launches if len(la["phases"]) > i]
-        out["phases"].append({k: (first[k] if k == "phase" else _mode([r[k] for r in rows]) if k == "last_block"
-                                  else avg([r[k] for r in rows if k in r])) for k in first})
+        out["phases"].append({k: (first[k] if k in ("phase", "slowest") else _mode([r[k] for r in rows])
+                                  if k == "last_block" else avg([r[k] for r in rows if k in r])) for k in first})
     return out
 
 
@@ -171,6 +180,9 @@ def main(argv=None) -> int:
                       f"{p['ticket_us']:.2f} us, work {p['work_us']:.2f} us ({p['to_mark_us']:.2f} to its mark), "
                       f"at most {p['work_max_us']:.2f}; last to end most often: block {p['last_block']} of the phase",
                       flush=True)
+                print("    slowest (first launch): " + "; ".join(
+                    f"block {b['block']} on SM {b['sm']}: started {b['start_us']:.2f}, resumed {b['resumed_us']:.2f}, "
+                    f"marked {b['marked_us']:.2f}, ended {b['ended_us']:.2f}" for b in p["slowest"]), flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -507,6 +507,9 @@ def test_chain_trace_reads_the_blocks_records(base):
     assert p0["ticket_us"] == pytest.approx(0.06) and p1["ticket_us"] == 0.1 and p1["to_mark_us"] == 0.5
     assert p0["work_max_us"] == pytest.approx(0.96) and p1["work_max_us"] == pytest.approx(1.5)
     assert (p0["last_block"], p1["last_block"]) == (2, 1)  # in ticket order within the phase
+    assert [b["block"] for b in p0["slowest"]] == [0, 1, 2] and p1["slowest"][0]["sm"] == 0  # most work first
+    assert p1["slowest"][1] == {"block": 1, "sm": 1, "start_us": pytest.approx(0.4), "resumed_us": pytest.approx(1.6),
+                                "marked_us": pytest.approx(2.1), "ended_us": pytest.approx(3.1)}
     later = ct.phases(np.concatenate([rec[:, :5], rec[:, 5:] + 1000], axis=1))  # every block ends 1 us later
     mean = ct.mean_of([got, later])
     assert mean["launches"] == 2 and mean["span_us"] == pytest.approx(3.6) and mean["peak_blocks"] == 5
