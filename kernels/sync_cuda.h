@@ -18,32 +18,18 @@
 #define LILY_MOE_STAGE_EARLY 1
 #endif
 
-// The fence on each side of a phase's hand-off: 0 __threadfence (fence.sc.gpu, MEMBAR.SC.GPU), 1 fence.acq_rel.gpu
-// (MEMBAR.ALL.GPU), the release and acquire CUTLASS's GenericBarrier pairs with __syncthreads as these do. A wake-up
-// costs ~1 us in every chain (run 68). An experiment constant (kernels.experiment_defines).
-#ifndef LILY_SYNC_FENCE
-#define LILY_SYNC_FENCE 0
-#endif
-LILY_INLINE void lily_sync_fence() {
-#if LILY_SYNC_FENCE == 1
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
-  __threadfence();
-#endif
-}
-
 // A block-wide barrier that also orders its threads' device-memory accesses (__syncthreads does on CUDA).
 #define LILY_DEVICE_BARRIER() __syncthreads()
 LILY_INLINE int lily_sync_ticket(const int* sync) { return atomicAdd(const_cast<int*>(sync), 1); }
 // The block's writes (ordered before this by a barrier) made visible device-wide, then counted.
 LILY_INLINE int lily_sync_arrive(const int* sync, int slot) {
-  lily_sync_fence();
+  __threadfence();
   return atomicAdd(const_cast<int*>(sync) + slot, 1);
 }
 LILY_INLINE void lily_sync_wait(const int* sync, int slot, int count) {
   const volatile int* p = sync + slot;
   while (*p < count) __nanosleep(LILY_SYNC_SLEEP_NS);
-  lily_sync_fence();
+  __threadfence();
 }
 // Whether the counter has reached count yet, without waiting (no ordering: a hint for what to do first).
 LILY_INLINE bool lily_sync_reached(const int* sync, int slot, int count) {

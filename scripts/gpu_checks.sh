@@ -112,19 +112,13 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 # ncu's occupancy section names the limit (its "Block Limit" lines); the SASS page shows where the phases stall.
 step 60 200 "ncu occupancy and source counters of moe_chain (context 64)" env KERNEL=moe_chain \
   bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# Candidates for the defaults, each an experiment constant: LILY_DELTANET_OUT_EARLY=1 (deltanet_chain_out's output
-# projection sends its loads before its wait: 25.0 -> 24.8 us a launch, run 68) and LILY_SYNC_FENCE=1 (the hand-offs'
-# fences acq_rel, not sc: every chain wakes ~1 us after the phase before, 170 wake-ups a step).
-for defs in LILY_DELTANET_OUT_EARLY=1 LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1; do
-  step 60 120 "every chain on the GPU's timeline, $defs" env LILY_MLX_KERNEL_DEFINES="$defs" python3 -m bench.gpu_timeline \
-    --model "$model" --context 64 4096 --json "$res/timeline_chains_${defs//[=,]/_}.json"
-done
-# attn_chain_long's attention phase aims for attn_chain.TARGET_BLOCKS = 256 blocks (one wave behind the projection's
-# 231, two an SM): at 4096, 62.3 -> 53.8 us a launch against attn_decode's 512 (run 68). A longer cache, and 512 again.
-step 60 120 "every chain on the GPU's timeline at 16384" python3 -m bench.gpu_timeline --model "$model" --context 16384 \
-  --json "$res/timeline_chains_16384.json"
-step 60 120 "every chain on the GPU's timeline at 4096 and 16384, attn_chain.BLOCKS=512" env LILY_MLX_PLAN=attn_chain.BLOCKS=512 \
-  python3 -m bench.gpu_timeline --model "$model" --context 4096 16384 --json "$res/timeline_chains_attn_blocks_512.json"
+# attn_chain's attention phase at context 64 (run 69's trace): the split holding the new token works 13 us past its
+# mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 picks each boundary row's source once (cache,
+# new rows in shared memory, zeros) instead of each element's; its timeline, then the trace's slowest blocks with it.
+step 60 120 "every chain on the GPU's timeline, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_ATTN_TAIL_ROWS=1 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_tail_rows.json"
+step 60 120 "inside every chain, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1 \
+  python3 -m bench.chain_trace --model "$model" --context 64 --compiled --json "$res/chain_trace_tail_rows.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

@@ -41,9 +41,8 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_CHAIN_TRACE=4096"), ("", "", "LILY_DELTANET_OUT_EARLY=1"),
-    ("", "", "LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1"), ("", "attn_chain.BLOCKS=512", ""),
-    ("", "attn_chain.BLOCKS=512", "LILY_DELTANET_OUT_EARLY=1,LILY_SYNC_FENCE=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ATTN_TAIL_ROWS=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1"), ("", "attn_chain.BLOCKS=512", ""),
 ]
 CONTEXTS = (64, 4096)
 

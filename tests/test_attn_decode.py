@@ -108,6 +108,7 @@ EMULATED = [
     Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3),
     Case(3, 8, 1, 32, 32, 7, 0),
     Case(1, 3, 3, 96, 32, 70, 64, F16, nsplit=4),
+    Case(1, 4, 2, 64, 16, 80, 64, F32, nsplit=17),  # context 64's 17 splits of 4: the last holds the new token alone
     Case(1, 8, 1, 64, 16, 24, 24, BF16),
     Case(2, 4, 2, 32, 8, 9, 3, F32, nsplit=5),  # 4 positions over 5 splits: one split is empty
     Case(2, 6, 2, 64, 16, 40, 37, BF16, nsplit=3, planes=3, plane=2),  # stacked planes, the last read
@@ -131,8 +132,21 @@ EMULATED = [
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("wide", [False, True], ids=["strided-lanes", "wide"])
-def test_metal_emulated_matches_reference(tmp_path, wide):
+@pytest.mark.parametrize("wide, defines", [(False, ""), (True, ""), (False, "LILY_ATTN_TAIL_ROWS=1")],
+                         ids=["strided-lanes", "wide", "tail-rows"])
+def test_metal_emulated_matches_reference(tmp_path, monkeypatch, wide, defines):
+    """Every EMULATED case, then each split case's partials merged by attn_combine and by qmv_attn; tail-rows: the
+    boundary iteration's rows picked whole (experiment constant LILY_ATTN_TAIL_ROWS)."""
+    monkeypatch.setenv(kernels.DEFINES_ENV, defines)
+    kernels.experiment_values.cache_clear()
+    try:
+        _emulate_and_check(tmp_path, wide, defines)
+    finally:
+        monkeypatch.delenv(kernels.DEFINES_ENV)
+        kernels.experiment_values.cache_clear()
+
+
+def _emulate_and_check(tmp_path, wide, defines):
     emu, splits = Emulator(tmp_path / "a"), []
     (tmp_path / "a").mkdir()
     for c, case in enumerate(EMULATED):
@@ -147,6 +161,8 @@ def test_metal_emulated_matches_reference(tmp_path, wide):
         plane, zero = mx.array([case.plane], dtype=mx.int32), mx.array([0], dtype=mx.int32)
         rows = [r for r in case.rows() if r is not None] or [zero, zero]
         emu.add(ad.SPEC, inst, [*args, plane, *rows], (B * L * case.Hkv * ns * threads, 1, 1), (threads, 1, 1), shapes)
+    if defines:
+        assert all(f"#define {defines.replace('=', ' ')}\n" in src for src in emu.sources.values())
     first = emu.run()
     second = Emulator(tmp_path / "b", packed_twins=True)  # each split case's partials merged by attn_combine and
     # by qmv_attn (o_proj's weight also packed where it packs: bit for bit the same)

@@ -134,23 +134,6 @@ def test_chain_emulated_matches_reference(tmp_path):
     _check_emulated(checks, emu.run())
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_out_early_loads_emulated(tmp_path, monkeypatch):
-    """LILY_DELTANET_OUT_EARLY=1: the output projection's blocks send their weight loads before the wait for the
-    recurrence (qmv.inc's LILY_QMV_BEFORE_STAGE); every deltanet_chain_out case still matches the references, in
-    index order and last first, and the counters come back zero."""
-    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_DELTANET_OUT_EARLY=1")
-    kernels.experiment_values.cache_clear()
-    emu = Emulator(tmp_path)
-    try:
-        checks = _emulate(emu, [(c, True, False, None) for c in OUT_CASES])
-        assert emu.sources and all("#define LILY_DELTANET_OUT_EARLY 1\n" in src for src in emu.sources.values())
-    finally:
-        monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_values.cache_clear()
-    _check_emulated(checks, emu.run())
-
-
 def test_plan_runs_both_phases_in_the_steps_blocks():
     """At the 35B shape: 16-warp blocks (deltanet_step's), each lane with qmv's own 8 weight chunks in flight (4 rows
     of 2 chunks), so the 12,352 projection rows take 193 blocks of 64, with no persistent loop; the 32 heads after."""
