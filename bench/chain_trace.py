@@ -32,9 +32,9 @@ def phases(records: np.ndarray) -> dict:
     it; ns, the start mod 2^32) -> the launch's span and, per phase, its blocks and SMs, the first and last start,
     the first and last resume (after the wait), the last end, a block's mean ticket latency (start to ticket), time
     after its wait to its mark (the x row staged, its weight loads issued, or the attention's new rows ready;
-    negative where the loads go out before the wait, as in moe_chain's down phase) and after its wait to its
-    end (mean and most), which block of the phase ended last, and the wake-up (first resume after the phase before's last end); times in us from the
-    launch's first start."""
+    negative where the loads go out before the wait, as in moe_chain's down phase) and after its wait to its end
+    (mean and most), which block of the phase ended last, its slowest blocks, and the wake-up (first resume after the
+    phase before's last end); times in us from the launch's first start."""
     sm, phase = records[:, 0] & 0xFFFF, records[:, 0] >> 16
     t = records[:, 1].astype(np.int64)
     t = (t - t[0] + 2**31) % 2**32 - 2**31  # the low 32 bits wrap every 4.3 s

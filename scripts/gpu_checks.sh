@@ -108,10 +108,6 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# moe_chain's blocks (twenty-sixth session, run 67): at most 528 ran at once, 4 an SM, where 96 registers allow 5.
-# ncu's occupancy section names the limit (its "Block Limit" lines); the SASS page shows where the phases stall.
-step 60 200 "ncu occupancy and source counters of moe_chain (context 64)" env KERNEL=moe_chain \
-  bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
 # attn_chain's attention phase at context 64 (run 69's trace): the split holding the new token works 13 us past its
 # mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 picks each boundary row's source once (cache,
 # new rows in shared memory, zeros) instead of each element's; its timeline, then the trace's slowest blocks with it.
