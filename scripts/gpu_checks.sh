@@ -109,8 +109,8 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
 # attn_chain's attention phase at context 64 (run 69's trace): the split holding the new token works 13 us past its
-# mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 picks each boundary row's source once (cache,
-# new rows in shared memory, zeros) instead of each element's; its timeline, then the trace's slowest blocks with it.
+# mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 ends a group of rows at the new tokens too, so
+# each group loads from one source with no branch a row; its timeline, then the trace's slowest blocks with it.
 step 60 120 "every chain on the GPU's timeline, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_ATTN_TAIL_ROWS=1 \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_tail_rows.json"
 step 60 120 "inside every chain, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1 \
