@@ -135,8 +135,8 @@ EMULATED = [
 @pytest.mark.parametrize("wide, defines", [(False, ""), (True, ""), (False, "LILY_ATTN_TAIL_ROWS=1")],
                          ids=["strided-lanes", "wide", "tail-rows"])
 def test_metal_emulated_matches_reference(tmp_path, monkeypatch, wide, defines):
-    """Every EMULATED case, then each split case's partials merged by attn_combine and by qmv_attn; tail-rows: the
-    boundary iteration's rows picked whole (experiment constant LILY_ATTN_TAIL_ROWS)."""
+    """Every EMULATED case, then each split case's partials merged by attn_combine and by qmv_attn; tail-rows: groups
+    of rows that end at the new tokens too (experiment constant LILY_ATTN_TAIL_ROWS)."""
     monkeypatch.setenv(kernels.DEFINES_ENV, defines)
     kernels.experiment_values.cache_clear()
     try:
