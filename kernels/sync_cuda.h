@@ -11,13 +11,6 @@
 #define LILY_SYNC_SLEEP_NS 64
 #endif
 
-// When moe_chain's routed gate/up jobs stage x': 0 after their weight loads (routing known), 1 before their wait for
-// the router's phase (run 66), 2 before it only if that phase is still running when the job starts. An experiment
-// constant (kernels.experiment_defines), as in sync_metal.h.
-#ifndef LILY_MOE_STAGE_EARLY
-#define LILY_MOE_STAGE_EARLY 1
-#endif
-
 // A block-wide barrier that also orders its threads' device-memory accesses (__syncthreads does on CUDA).
 #define LILY_DEVICE_BARRIER() __syncthreads()
 LILY_INLINE int lily_sync_ticket(const int* sync) { return atomicAdd(const_cast<int*>(sync), 1); }
@@ -30,10 +23,6 @@ LILY_INLINE void lily_sync_wait(const int* sync, int slot, int count) {
   const volatile int* p = sync + slot;
   while (*p < count) __nanosleep(LILY_SYNC_SLEEP_NS);
   __threadfence();
-}
-// Whether the counter has reached count yet, without waiting (no ordering: a hint for what to do first).
-LILY_INLINE bool lily_sync_reached(const int* sync, int slot, int count) {
-  return *(static_cast<const volatile int*>(sync) + slot) >= count;
 }
 LILY_INLINE void lily_sync_reset(const int* sync, int slots) {
   for (int i = 0; i < slots; ++i) atomicExch(const_cast<int*>(sync) + i, 0);

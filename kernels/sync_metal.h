@@ -4,10 +4,6 @@
 #ifndef LILY_SYNC_METAL_H
 #define LILY_SYNC_METAL_H
 
-#ifndef LILY_MOE_STAGE_EARLY  // sync_cuda.h's experiment constant
-#define LILY_MOE_STAGE_EARLY 1
-#endif
-
 #define LILY_SYNC_PTR(p) ((device atomic_int*)(p))
 #define LILY_DEVICE_BARRIER() threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
 LILY_INLINE void lily_device_fence() {
@@ -24,9 +20,6 @@ LILY_INLINE void lily_sync_wait(const device int* sync, int slot, int count) {
   while (atomic_load_explicit(LILY_SYNC_PTR(sync) + slot, memory_order_relaxed) < count) {
   }
   lily_device_fence();
-}
-LILY_INLINE bool lily_sync_reached(const device int* sync, int slot, int count) {
-  return atomic_load_explicit(LILY_SYNC_PTR(sync) + slot, memory_order_relaxed) >= count;
 }
 LILY_INLINE void lily_sync_reset(const device int* sync, int slots) {
   for (int i = 0; i < slots; ++i) atomic_store_explicit(LILY_SYNC_PTR(sync) + i, 0, memory_order_relaxed);

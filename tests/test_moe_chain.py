@@ -83,24 +83,6 @@ def test_chain_emulated_matches_oracle(tmp_path):
     _check_emulated(checks, emu.run())
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("order", ["0", "2"])
-def test_chain_staging_orders_emulated(tmp_path, monkeypatch, order):
-    """LILY_MOE_STAGE_EARLY's other orders of a routed gate/up job's staging of x' (0: after its weight loads; 2:
-    before its wait only while the router's phase runs, which the emulator's one-at-a-time threadgroups never see)
-    give the oracles' results, in index order and last first; the counters come back zero."""
-    monkeypatch.setenv(kernels.DEFINES_ENV, f"LILY_MOE_STAGE_EARLY={order}")
-    kernels.experiment_values.cache_clear()
-    emu = Emulator(tmp_path)
-    try:
-        checks = _emulate(emu, [(r, None, False) for r in CHAIN[:2]])
-        assert emu.sources and all(f"#define LILY_MOE_STAGE_EARLY {order}\n" in src for src in emu.sources.values())
-    finally:
-        monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_values.cache_clear()
-    _check_emulated(checks, emu.run())
-
-
 def test_plan_shares_one_block_size():
     """The three phases run in blocks of one size: down's rows are planned for gate/up's warps, and the router's
     rows per block are a warp's rows in flight (one 16-byte chunk of 8-bit codes a lane: 4 chunks at H = 2048)."""

@@ -44,10 +44,9 @@ def plan(M: int, K: int, H: int, I: int, IS: int, LS: int, bits: int, router_bit
 
 
 def shared_bytes(K: int, H: int, I: int, IS: int, bits: int, warps: int) -> int:
-    """moe_chain.inc's threadgroup memory: staged floats, their chunk sums, the norm's scratch, the ticket and the
-    pending flag."""
+    """moe_chain.inc's threadgroup memory: staged floats, their chunk sums, the norm's scratch, the ticket."""
     floats = max(H, K * I + IS)
-    return 4 * (floats + floats // (128 // bits) + warps + 2)
+    return 4 * (floats + floats // (128 // bits) + warps + 1)
 
 
 def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k: int, group_size: int,
