@@ -155,23 +155,6 @@ def test_plan_fits_the_projection_in_one_wave_where_it_can():
     assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 4  # rows of x beyond one: as planned
 
 
-def test_plan_override_sets_the_output_phases_rows(monkeypatch):
-    """LILY_MLX_PLAN=deltanet_chain_out.ORPS=n: the output projection's rows a lane segment, its blocks following
-    (the 35B layer: 2048 rows in blocks of 16 warps); the other phases keep their plan."""
-    shape = (1, 2048, 12352, 4, 128, 128, (4096, 2048, 4), 132)
-    default = dc.plan(*shape)
-    assert (default["out"]["RPS"], default["out"]["blocks"], default["out"]["LANES"]) == (1, 128, 32)
-    try:
-        monkeypatch.setenv(kernels.PLAN_ENV, "deltanet_chain_out.ORPS=2")
-        kernels.plan_overrides.cache_clear()
-        p = dc.plan(*shape)
-    finally:
-        monkeypatch.delenv(kernels.PLAN_ENV)
-        kernels.plan_overrides.cache_clear()
-    assert (p["out"]["RPS"], p["out"]["blocks"]) == (2, 64)
-    assert {k: v for k, v in p.items() if k != "out"} == {k: v for k, v in default.items() if k != "out"}
-
-
 def test_unsupported_arguments_are_declined():
     case, K, bits, gs = CASES[0]
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)

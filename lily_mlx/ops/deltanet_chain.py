@@ -33,9 +33,6 @@ def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tup
     p["proj_blocks"] = p["qmv"]["blocks"]
     if out is not None:
         p["out"] = qmv.plan_chained(M, *out, step["WARPS"])
-        rps = kernels.plan_overrides().get("deltanet_chain_out", {}).get("ORPS")
-        if rps:  # an experiment's rows a lane segment: fewer, larger blocks, e.g. to fit the SMs phase 1 leaves free
-            p["out"] = dict(p["out"], RPS=rps, blocks=-(-out[1] // (step["WARPS"] * (32 // p["out"]["LANES"]) * rps)))
     return p
 
 
