@@ -32,20 +32,6 @@ LILY_INLINE void lily_prefetch_part(TP p, int64_t n_bytes, int part, int parts, 
     LILY_PREFETCH_L2(reinterpret_cast<const LILY_GLOBAL char*>(p) + b);
 }
 
-// Asks the L2 for bytes [part * n / parts, (part + 1) * n / parts) of p (16-byte aligned), that part split among
-// `pieces` issuers (this one `piece`), each sending bulk requests of at most 32 KB over the 16-byte-aligned span of
-// its share. A hint only.
-template <typename TP>
-LILY_INLINE void lily_prefetch_bulk_part(TP p, int64_t n_bytes, int part, int parts, int piece, int pieces) {
-  const int64_t lo = n_bytes * part / parts;
-  const int64_t share = n_bytes * (part + 1) / parts - lo;
-  const int64_t end = lo + share * (piece + 1) / pieces;
-  for (int64_t at = (lo + share * piece / pieces + 15) & ~static_cast<int64_t>(15); end - at >= 16; at += 32768) {
-    const int64_t n = end - at < 32768 ? (end - at) & ~static_cast<int64_t>(15) : 32768;
-    LILY_PREFETCH_L2_BULK(reinterpret_cast<const LILY_GLOBAL char*>(p) + at, n);
-  }
-}
-
 // lily_prefetch_part of a quantized weight [rows, k] (BITS-bit codes w, scales s and biases b per group of GS).
 template <int BITS, int GS, typename TW, typename TS>
 LILY_INLINE void lily_prefetch_weight_part(TW w, TS s, TS b, int64_t rows, int64_t k, int part, int parts, int tid,

@@ -16,10 +16,6 @@
 #define LILY_LDG_U2(ptr, idx) __ldg(reinterpret_cast<const uint2*>(ptr) + (idx))
 // A hint that the L2 fetch the 128-byte line holding addr (no value is read; sm_80+).
 #define LILY_PREFETCH_L2(addr) asm volatile("prefetch.global.L2 [%0];" ::"l"(addr))
-// The same for n bytes at addr (16-byte aligned, n a multiple of 16) in one request to the copy engine (sm_90):
-// one instruction for a range where LILY_PREFETCH_L2 issues one a line.
-#define LILY_PREFETCH_L2_BULK(addr, n) \
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(addr), "r"(static_cast<uint32_t>(n)) : "memory")
 #define LILY_U4_ZERO make_uint4(0u, 0u, 0u, 0u)
 #define LILY_U4(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) make_float4((a), (b), (c), (d))

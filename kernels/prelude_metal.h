@@ -18,9 +18,6 @@
 #define LILY_LDG_U2(ptr, idx) (reinterpret_cast<const device uint2*>(ptr)[(idx)])
 // Metal has no L2 prefetch hint: nothing is issued (values never depend on it).
 #define LILY_PREFETCH_L2(addr) ((void)(addr))
-#ifndef LILY_PREFETCH_L2_BULK  // the CPU emulator (tests/metal_shim) checks the ranges instead
-#define LILY_PREFETCH_L2_BULK(addr, n) ((void)(addr), (void)(n))
-#endif
 #define LILY_U4_ZERO uint4(0u)
 #define LILY_U4(a, b, c, d) uint4((a), (b), (c), (d))
 #define LILY_F4(a, b, c, d) float4((a), (b), (c), (d))

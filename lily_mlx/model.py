@@ -258,12 +258,11 @@ class SparseMoeBlock(nn.Module):
         """x [..., H] -> the MoE output."""
         return self._run(x, None, None)
 
-    def add_to(self, h: mx.array, norm: RMSNorm, next_weight: Optional[mx.array] = None) -> mx.array:
-        """h + self(norm(h)); for a few tokens the fused decode path (norm, routing and residual inside), which may
-        ask the L2 for next_weight, the next layer's first (ops.moe_decode)."""
-        return self._run(h, norm, h, next_weight)
+    def add_to(self, h: mx.array, norm: RMSNorm) -> mx.array:
+        """h + self(norm(h)); for a few tokens the fused decode path (norm, routing and residual inside)."""
+        return self._run(h, norm, h)
 
-    def _run(self, x, norm, residual, next_weight=None):
+    def _run(self, x, norm, residual):
         # The fused op for as many tokens as its kernels take (8: a server batch of 8 rows at top-8 included), and
         # below SwitchGLU's sorting threshold, where its fallback is the very same unsorted gather.
         tokens = x.size // x.shape[-1]
@@ -274,7 +273,7 @@ class SparseMoeBlock(nn.Module):
             first = self.switch_mlp.gate_proj
             return ops.moe_decode(x, norm["weight"], norm.eps, logits, wg, wu, wd, sg, su, sd, top_k=self.top_k,
                                   normalize=self.norm_topk_prob, group_size=first.group_size, bits=first.bits,
-                                  router=self.router.quantized(), next_weight=next_weight)
+                                  router=self.router.quantized())
         xn = x if norm is None else norm(x)
         logits = self.router(xn)
         E = logits.shape[-1] - 1
@@ -303,19 +302,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg)
 
-    def __call__(self, x, mask=None, cache=None, next_weight=None):
-        return self.moe_block(self.mixer_block(x, mask, cache), next_weight)
+    def __call__(self, x, mask=None, cache=None):
+        return self.moe_block(self.mixer_block(x, mask, cache))
 
     def mixer_block(self, x, mask=None, cache=None):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         return mixer.add_to(x, self.input_layernorm, mask, cache)  # x + mixer(norm(x))
 
-    def moe_block(self, h, next_weight=None):
-        return self.mlp.add_to(h, self.post_attention_layernorm, next_weight)  # h + moe(norm(h))
-
-    def first_weight(self) -> Optional[mx.array]:
-        """The packed weight a decode step reads first in this layer (its mixer's fused input projection), or None."""
-        return (self.linear_attn.fused_in if self.is_linear else self.self_attn.fused_qkv).packed()
+    def moe_block(self, h):
+        return self.mlp.add_to(h, self.post_attention_layernorm)  # h + moe(norm(h))
 
 
 class TextModel(nn.Module):
@@ -345,13 +340,10 @@ class TextModel(nn.Module):
         ahead = memory.layers_ahead(h.shape[1]) if dispatching else None
         overlap = dispatching and ahead is None and ops.enabled("prefill_overlap")
         queued = []
-        # switch layer_prefetch: each layer's MoE launch asks the L2 for the next layer's first weight
-        nexts = [l.first_weight() for l in self.layers[1:]] if ops.enabled("layer_prefetch") else []
-        nexts += [None] * (len(self.layers) - len(nexts))
-        for layer, c, nxt in zip(self.layers, cache, nexts):
+        for layer, c in zip(self.layers, cache):
             mask = ssm_mask if layer.is_linear else fa_mask
             if ahead is None:
-                h = layer(h, mask=mask, cache=c, next_weight=nxt)
+                h = layer(h, mask=mask, cache=c)
                 if overlap:  # the GPU runs this layer while Python builds the next
                     memory.dispatch(h, [] if c is None else c.state)
                 continue

@@ -108,14 +108,6 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# Switch layer_prefetch: each moe_chain asks the L2 (bulk requests) for the next layer's first weight, which that
-# layer's chain streams from DRAM at ~1.3 TB/s in its first phase (run 69's trace: deltanet_chain_out's 129 projection
-# blocks work 10.4 us) while DRAM idles through most of moe_chain. Its timeline, then the trace of its phases.
-step 60 120 "every chain on the GPU's timeline, layer_prefetch on" env LILY_MLX_ENABLE=layer_prefetch \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_layer_prefetch.json"
-step 60 120 "inside every chain, layer_prefetch on" env LILY_MLX_ENABLE=layer_prefetch \
-  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 --compiled \
-  --json "$res/chain_trace_layer_prefetch.json"
 # attn_chain's attention phase at context 64 (run 69's trace): the split holding the new token works 13 us past its
 # mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 ends a group of rows at the new tokens too, so
 # each group loads from one source with no branch a row; its timeline, then the trace's slowest blocks with it.

@@ -42,8 +42,7 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ATTN_TAIL_ROWS=1"),
-    ("", "", "LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1"), ("layer_prefetch", "", ""),
-    ("layer_prefetch", "", "LILY_CHAIN_TRACE=4096"),
+    ("", "", "LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1"),
 ]
 CONTEXTS = (64, 4096)
 

@@ -48,14 +48,10 @@ def prefill_rel_err(switch: str, tokens: int = 300, kernel: Optional[str] = None
 
 
 def decode_rel_err(switch: str, prompt: int = 40, steps: int = 6, kernel: Optional[str] = None,
-                   calls: Optional[list] = None, dtype=mx.bfloat16, superseded_by: tuple = (),
-                   packed: bool = False) -> float:
+                   calls: Optional[list] = None, dtype=mx.bfloat16, superseded_by: tuple = ()) -> float:
     """_rel_err_on_vs_off of the logits of `steps` greedy one-token steps after a `prompt`-token prefill, with the
-    switches in `superseded_by` (paths that take the same layers first, e.g. a chain on by default) off in both arms;
-    `packed`: the weights packed first, as the compiled decoders pack them."""
+    switches in `superseded_by` (paths that take the same layers first, e.g. a chain on by default) off in both arms."""
     model, toks = _model(dtype), _tokens(prompt)
-    if packed:
-        model.fuse_projections(True)
 
     def run():
         cache = model.make_cache()

@@ -40,7 +40,7 @@ def _primitives(outputs, path) -> collections.Counter:
 
 # Kernel inputs a step passes (MLX walks and records each one; ops/packing.py): by configuration, plain / packed /
 # packed with each chain launch's constants bundled.
-INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1700, 976, 476)}
+INPUT_EDGES = {"defaults": (2150, 1426), "all-chains": (1660, 936, 436)}
 WEIGHTS = {False: 0, True: 1, "bundled": 2}  # the packed parameter: plain, packed_weights, + bundled_weights
 
 
@@ -154,39 +154,3 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
         assert step_total <= 250
     if stacked and fold:
         assert ops.enabled("stacked_kv") and ops.enabled("qmv_attn") and ops.enabled("dequant_rows")  # the defaults
-
-
-@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
-def test_layer_prefetch_hands_each_moe_launch_the_next_layers_first_weight(monkeypatch, on):
-    """With layer_prefetch (every chain, packed and bundled weights, as CUDA's defaults), layer i's moe_chain launch
-    takes layer i + 1's packed first weight (its DeltaNet in-projection or attention q|k|v, a view of that layer's
-    bundle) with NXT 1, and the last layer's none (NXT 0); off, no launch takes one. The step's launches are the
-    same either way."""
-    model = step_dispatch.layer_stack()
-    cache = model.make_cache()
-    model(mx.array([[1, 2, 3]]), cache=cache)
-    seen = []
-
-    def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        if name.startswith("moe_chain"):
-            nxt = inputs[kernels.SPECS[name].input_names.index("nxt")]
-            seen.append((dict(template)["NXT"], nxt))
-        return step_dispatch.standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes,
-                                     init_value, smem)
-
-    monkeypatch.setattr(kernels, "launch", standin)
-    monkeypatch.setattr(ops, "backend", lambda: "cuda")
-    with ops.switched("layer_prefetch", on):
-        dec = CompiledDecoder(model, cache, reserve=4)
-        flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
-        dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
-    layers = model.layers
-    assert len(seen) == len(layers) == 40
-    for i, (nxt_on, nxt) in enumerate(seen):
-        want = layers[i + 1].first_weight() if on and i + 1 < len(layers) else None
-        if want is None:
-            assert nxt_on == 0 and nxt.shape == (1,), f"layer {i}: a next weight where none is due"
-        else:
-            mixer = layers[i + 1].linear_attn.fused_in if layers[i + 1].is_linear else layers[i + 1].self_attn.fused_qkv
-            assert nxt_on == 1 and nxt is want and mx.array_equal(nxt, mixer.packed()), f"layer {i}"
-            assert nxt.dtype == mx.uint32 and nxt.shape[0] == mixer.arrays["weight"].shape[0]

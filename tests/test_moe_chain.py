@@ -47,24 +47,20 @@ def _check(c, a, router, y, logits, packed):
 
 
 def _emulate(emu, runs) -> list:
-    """Adds each run ((case, router bits, router group), forced plan or None, prefetch[, the next weight's shape]) to
-    the emulator, every second one with its threadgroups last first; -> (case, its arrays, router) per run, for
-    _check_emulated."""
+    """Adds each run ((case, router bits, router group), forced plan or None, prefetch) to the emulator, every second
+    one with its threadgroups last first; -> (case, its arrays, router) per run, for _check_emulated."""
     checks = []
-    for n, ((c, rbits, rgs), forced, prefetch, *nxt) in enumerate(runs):
-        next_shape = nxt[0] if nxt else None
+    for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
         p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
         inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p,
-                                  prefetch=prefetch, next_shape=next_shape)
-        nxt = kernels.placeholder(mx.uint32) if next_shape is None else mx.arange(
-            next_shape[0] * next_shape[1], dtype=mx.uint32).reshape(next_shape)
-        args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32), nxt]
+                                  prefetch=prefetch)
+        args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
         threads = 32 * p["WARPS"]
         emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
-                read_back=(len(args) - 2,))
+                read_back=(len(args) - 1,))
         checks.append((c, a, router))
     return checks
 
@@ -81,11 +77,8 @@ def test_chain_emulated_matches_oracle(tmp_path):
     """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
     first; the counters come back zero."""
     emu = Emulator(tmp_path, packed_twins=True)  # packed weights too, bit for bit the same
-    # The last runs with chain_prefetch's L2 hints and layer_prefetch's bulk requests (none on Metal: the same values,
-    # through the same body; the shim checks each bulk request's alignment, size and bounds). The next weight is odd
-    # sized (not a multiple of 16 bytes) and large enough for several 32 KB requests a warp.
-    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True),
-                                                (CHAIN[1], None, False, (301, 1031))]
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
     checks = _emulate(emu, runs)
     _check_emulated(checks, emu.run())
 
@@ -199,28 +192,6 @@ def test_chain_prefetch_switch_reaches_the_template():
     assert dict(moe_chain._launch(*args)[0])["PF"] == 0
 
 
-def test_layer_prefetch_takes_only_a_packed_next_weight(monkeypatch):
-    """With layer_prefetch on, chain() asks the L2 for a [rows, words] uint32 next weight (NXT 1, the array itself as
-    nxt) and for nothing else: another dtype or rank, or the switch off, gives NXT 0 and the placeholder."""
-    args = _launch_args(*ROUTED_MODEL[0])
-    seen = []
-
-    def standin(name, backend, inputs, template, *rest):
-        seen.append((dict(template)["NXT"], inputs[kernels.SPECS[name].input_names.index("nxt")]))
-        return [mx.zeros(s, dtype=d) for s, d in zip(rest[2], rest[3])]
-
-    monkeypatch.setattr(kernels, "launch", standin)
-    packed = mx.zeros((12, 40), dtype=mx.uint32)
-    given = [(True, packed), (True, packed.astype(mx.int32)), (True, packed.reshape(-1)), (False, packed), (True, None)]
-    for on, nxt in given:
-        with ops.switched("layer_prefetch", on):
-            moe_chain.chain(*args[:9], top_k=args[9], normalize=args[10], group_size=args[11], bits=args[12],
-                            backend="cuda", next_weight=nxt)
-    assert seen[0][0] == 1 and seen[0][1] is packed
-    for nxt_on, nxt in seen[1:]:
-        assert nxt_on == 0 and nxt is kernels.placeholder(mx.uint32)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("case,rbits,rgs", CHAIN[:2] + ROUTED_MODEL, ids=routed_id)
 def test_chain_prefetch_cuda(case, rbits, rgs):
@@ -252,20 +223,6 @@ def test_decode_with_chain_prefetch_cuda():
         err = decode_rel_err("chain_prefetch", dtype=mx.float32, kernel="moe_chain", calls=calls)
     assert any(on for on, _ in calls) and any(not on for on, _ in calls)
     assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
-
-
-@pytest.mark.cuda
-def test_decode_with_layer_prefetch_cuda():
-    """The embedded model's decode steps (weights packed, as the compiled decoders pack them) with moe_chain,
-    layer_prefetch on vs off: on, every layer's launch but the last takes the next layer's first weight; the logits
-    are the same to the bit (the bulk L2 requests change no value)."""
-    calls = []
-    with ops.switched("moe_chain", True):
-        err = decode_rel_err("layer_prefetch", dtype=mx.float32, kernel="moe_chain", calls=calls, packed=True)
-    on = [k.get("next_weight") is not None for o, k in calls if o]  # 4 layers a step: the last has no next
-    assert on and on == [True, True, True, False] * (len(on) // 4), f"next weights in on-arm launches: {on}"
-    assert not any(k.get("next_weight") is not None for o, k in calls if not o)
-    assert err == 0.0, f"decode logits with layer_prefetch: rel err {err:.2e}"
 
 
 @pytest.mark.metal

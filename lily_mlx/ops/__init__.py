@@ -522,7 +522,7 @@ def moe_block_tail(y, shared=None, residual=None) -> mx.array:
 
 
 def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, shared_up, shared_down, *,
-               top_k: int, normalize: bool, group_size: int, bits: int, router=None, next_weight=None):
+               top_k: int, normalize: bool, group_size: int, bits: int, router=None):
     """x + MoE(rmsnorm(x)) for a few tokens: the routed top-k SwiGLU experts and the sigmoid-gated
     shared expert, in two launches where the kernels apply (moe_gate_up, moe_down_combine).
 
@@ -531,15 +531,14 @@ def moe_decode(x, norm_weight, eps: float, logits, gate, up, down, shared_gate, 
     H*bits/32], scales, biases [E, I, H/group]); down the same for [E, H, I]; shared_*: the same without E.
     Returns [..., H]. router: the quantized router that gives the logits, (w [E + 1, H*b/32], scales, biases, b,
     group); with moe_chain (the whole block in one launch) or moe_router_fold (the gate/up kernel) the logits are
-    computed from it, and a function given for `logits` is not called (no router launch is built). next_weight: a
-    packed weight the next launch reads first, which moe_chain asks the L2 for (switch layer_prefetch)."""
+    computed from it, and a function given for `logits` is not called (no router launch is built)."""
     E = gate[0].shape[0]
     q = {"group_size": group_size, "bits": bits}
     norm = None if norm_weight is None else (norm_weight, eps)
     logits_of = logits if callable(logits) else lambda: logits
     if router is not None and enabled("moe_gate_up") and enabled("moe_down_combine"):
         y = _try("moe_chain", x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k=top_k,
-                 normalize=normalize, next_weight=next_weight, **q)
+                 normalize=normalize, **q)
         if y is not None:
             return y
     folded = None

@@ -17,17 +17,11 @@ import mlx.core as mx
 
 from . import enabled, kernels, metal_source, moe, register_kernel, register_switch
 
-SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF", "NXT")
+SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF")
 # H100 run 36 (ncu): moe_chain reads 16.5 MB a layer in 39.7 us (0.42 TB/s), its phases waiting on one another.
 # With chain_prefetch, phase 1 asks the L2 for the down weights phase 2 will read (kernels/moe_chain.inc, PF); the
 # DeltaNet and attention chains take the same switch (their state, cache and output projection).
 register_switch("chain_prefetch", "decode chains: a later phase's weights asked into L2 while an earlier phase runs",
-                default_on=False)
-# The next launch's first phase (a DeltaNet in-projection, 14 MB; attention q|k|v, 11 MB) streams its weights from
-# DRAM at ~1.3 TB/s (H100 run 69's trace: 129 blocks working 10.4 us), while DRAM idles through most of moe_chain's
-# 26 us. With layer_prefetch the model hands each layer's moe_chain the next layer's first weight, and the shared
-# expert's jobs ask the L2 for it in bulk requests (NXT) once their own loads are out.
-register_switch("layer_prefetch", "decode: each MoE block's launch asks the L2 for the next layer's first weight",
                 default_on=False)
 
 
@@ -83,8 +77,7 @@ def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_
 
 def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_bits, router_group, *, norm_dtype=None,
              eps=1e-6, normalize=True, router_scale_dtype=mx.bfloat16, p: Optional[dict] = None,
-             prefetch: bool = False, next_shape: Optional[tuple[int, int]] = None) -> kernels.Instance:
-    """next_shape: the packed [rows, words] uint32 weight the launch asks the L2 for (NXT), or None."""
+             prefetch: bool = False) -> kernels.Instance:
     LS = E + 1
     p = p or plan(M, K, H, I, IS, LS, bits, router_bits)
     gate_up = moe.gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size,
@@ -92,24 +85,20 @@ def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_b
                                    plan=p["gate_up"])
     down = moe.down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, LS=LS, plan=p["down"])
     template = gate_up.template + (("DLANES", p["down"]["LANES"]), ("DRPS", p["down"]["RPS"]), ("RBITS", router_bits),
-                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)),
-                                   ("NXT", int(next_shape is not None)))
+                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)))
     router = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
               (router_scale_dtype, (LS, H // router_group)))
-    nxt = (mx.uint32, next_shape or (1,))
-    inputs = (gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (kernels.SYNC_SLOTS,)),)
-              + (nxt,))
+    inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (kernels.SYNC_SLOTS,)),)
     return kernels.Instance(template, inputs, (x_dtype, x_dtype, mx.float32))
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width), or None
 
 
-def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize, group_size, bits,
-            next_shape=None):
+def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize, group_size, bits):
     key = (moe._signature(x, *router[:3], *gate, *up, *down, *shared_gate, *shared_up, *shared_down), router[3:],
            None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]), top_k, normalize, group_size, bits,
-           next_shape, enabled("chain_prefetch"))
+           enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -122,7 +111,7 @@ def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down
         p = plan(M, K, H, I, IS, LS, bits, router[3])
         inst = instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size, router[3], router[4],
                         norm_dtype=norm[0].dtype, eps=norm[1], normalize=normalize, router_scale_dtype=router[1].dtype,
-                        p=p, prefetch=key[-1], next_shape=next_shape)
+                        p=p, prefetch=key[-1])
         threads = 32 * p["WARPS"]
         launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), LS, moe.packed_width(K, I, IS))
     _LAUNCH[key] = launch
@@ -130,38 +119,31 @@ def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down
 
 
 def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, *, top_k: int, normalize: bool,
-          group_size: int, bits: int, backend: str, init_value: Optional[float] = None,
-          next_weight: Optional[mx.array] = None):
+          group_size: int, bits: int, backend: str, init_value: Optional[float] = None):
     """x + MoE(rmsnorm(x)) as ops.moe_decode computes it, from the quantized router itself: router = (w [E + 1,
     H*b/32], scales, biases, b, group), the shared-expert gate's row last. -> (y [..., H], logits [..., E + 1] in x's
-    dtype, packed [..., moe.packed_width(k, I, Is)] float32: h, hs, ids, weights), or None if not applicable.
-    next_weight: a packed weight [rows, words] uint32 (ops/packing.py) that the next launch reads first, asked into
-    the L2 with switch layer_prefetch (unread otherwise)."""
-    if not (next_weight is not None and enabled("layer_prefetch") and next_weight.ndim == 2
-            and next_weight.dtype == mx.uint32):
-        next_weight = None
+    dtype, packed [..., moe.packed_width(k, I, Is)] float32: h, hs, ids, weights), or None if not applicable."""
     launch = _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize,
-                     group_size, bits, None if next_weight is None else tuple(next_weight.shape))
+                     group_size, bits)
     if launch is None:
         return None
     template, grid, group, LS, width = launch
     lead = x.shape[:-1]
     inputs = [x, norm[0], *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
-              kernels.sync_counters(), kernels.placeholder(mx.uint32) if next_weight is None else next_weight]
+              kernels.sync_counters()]
     return tuple(kernels.call("moe_chain", backend, inputs, template, grid, group,
                               [x.shape, (*lead, LS), (*lead, width)], [x.dtype, x.dtype, mx.float32], init_value))
 
 
 def _instances() -> list[kernels.Instance]:
-    """The model's (8-bit router, group 64) and the test shapes' (4- and 8-bit routers); chain_prefetch's and
-    layer_prefetch's at every shape for one token in bf16."""
+    """The model's (8-bit router, group 64) and the test shapes' (4- and 8-bit routers); chain_prefetch's at every
+    shape for one token in bf16."""
     insts = []
     for (x_dt, scale_dt, M, K, E, H, I, IS, bits, gs) in moe._combos():
         if H % 64 == 0:
-            one = M == 1 and x_dt == mx.bfloat16
-            for prefetch, nxt in ((False, None), (True, None), (False, (64, 288))) if one else ((False, None),):
+            for prefetch in (False, True) if M == 1 and x_dt == mx.bfloat16 else (False,):
                 insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 8, 64, normalize=K != 3,
-                                      prefetch=prefetch, next_shape=nxt))
+                                      prefetch=prefetch))
         if H % 32 == 0:
             insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 4, 32, normalize=K != 3))
     return kernels.unique_instances(insts, key=kernels.source_key)
@@ -170,7 +152,7 @@ def _instances() -> list[kernels.Instance]:
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_chain", body="moe_chain.inc",
     input_names=("x", "nw", "wr", "sr", "br") + moe.GATE_UP_SPEC.input_names[3:] + moe.DOWN_SPEC.input_names[5:11]
-    + ("sync", "nxt"),
+    + ("sync",),
     output_names=("y", "logits", "packed"), template_params=SPEC_PARAMS,
     description="a decode step's MoE block in one launch: router, routed and shared gate/up, down, combine, residual",
     instances=_instances, defines=("LILY_MOE_PACKED", "LILY_CHAIN"),

@@ -36,22 +36,6 @@
 #define threadgroup
 #endif
 
-#ifdef METAL_SHIM_SIM
-// The bulk L2 prefetch (a no-op on Metal) checks its request here instead: 16-byte aligned, 16 bytes to 32 KB, and
-// inside its buffer (ASan sees the first and last bytes read).
-inline void lily_shim_prefetch_bulk(const char* p, long long n) {
-  if ((reinterpret_cast<unsigned long long>(p) & 15) != 0 || n < 16 || n % 16 != 0 || n > 32768) {
-    std::fprintf(stderr, "metal_sim: bulk prefetch of %lld bytes at %p: not 16-byte aligned or sized\n", n,
-                 static_cast<const void*>(p));
-    std::abort();
-  }
-  const volatile char* v = p;
-  (void)v[0];
-  (void)v[n - 1];
-}
-#define LILY_PREFETCH_L2_BULK(addr, n) lily_shim_prefetch_bulk(reinterpret_cast<const char*>(addr), (n))
-#endif
-
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
