@@ -108,13 +108,6 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
-# attn_chain's attention phase at context 64 (run 69's trace): the split holding the new token works 13 us past its
-# mark, the others 2.7, and the phase waits for it. LILY_ATTN_TAIL_ROWS=1 ends a group of rows at the new tokens too, so
-# each group loads from one source with no branch a row; its timeline, then the trace's slowest blocks with it.
-step 60 120 "every chain on the GPU's timeline, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_ATTN_TAIL_ROWS=1 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_chains_tail_rows.json"
-step 60 120 "inside every chain, LILY_ATTN_TAIL_ROWS=1" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1 \
-  python3 -m bench.chain_trace --model "$model" --context 64 --compiled --json "$res/chain_trace_tail_rows.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

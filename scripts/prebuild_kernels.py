@@ -41,8 +41,7 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ATTN_TAIL_ROWS=1"),
-    ("", "", "LILY_CHAIN_TRACE=4096,LILY_ATTN_TAIL_ROWS=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096"),
 ]
 CONTEXTS = (64, 4096)
 
