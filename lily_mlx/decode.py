@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from . import ops
-from .ops import kernels
+from .ops import attn_decode, kernels
 
 STEP = 256
 ops.register_switch("compiled_decode", "decode steps as one mx.compile'd graph over a fixed-capacity KV cache")
@@ -32,6 +32,12 @@ ops.register_switch("stacked_kv", "compiled decode: every attention layer's K/V 
 # the copies took 240 us of a step's 3,269 us of kernels at context 4096, the scatters 8 us (H100 run 52).
 ops.register_switch("kv_scatter", "compiled decode: K/V cache writes as a scatter, not a dynamic slice update",
                     default_on="cuda")
+# Even as a scatter, a write MLX cannot donate its cache to (every attention launch of the step still holds it) copies
+# the whole stacked cache: 1.4-1.9 such copies a step, 10 us at context 64 and 43 at 4096, besides the 20 copies that
+# concatenate the layers' rows (45-50 us; H100 run 70). With kv_write, attn_chain writes its rows into the cache in
+# place and the step returns the same buffers (mx.depends on the launches): no concatenation, no scatter, no copy.
+ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V rows into the stacked cache in place",
+                    default_on=False)
 # Opt-in until the server's 8-client load has been timed with it on the H200 (its cuda tests pass there).
 ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
                     default_on=False)
@@ -86,6 +92,7 @@ class _StackedKV(_StaticKV):
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
         super().__init__(keys, values, offset, offset1, None)
         self.plane, self.rows = plane, rows
+        self.kv_write = ops.enabled("kv_write")  # the fused attention may write its rows in place (model.Attention)
 
     def decode_view(self):
         return self.keys, self.values, self.offset1, self.plane, None, None
@@ -399,9 +406,12 @@ def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[in
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
     out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
-    k_new = mx.concatenate([k for k, _ in rows])  # [P*B, Hkv, T, D], layer order
-    pos = row_positions(offset1, k_new.shape)
-    keys, values = write_rows(keys, k_new, pos), write_rows(values, mx.concatenate([v for _, v in rows]), pos)
+    if rows and all(attn_decode.written_in_place(k) for k, _ in rows):  # kv_write: the launches wrote them; order after them
+        keys, values = mx.depends([keys, values], [a for row in rows for a in row])
+    else:
+        k_new = mx.concatenate([k for k, _ in rows])  # [P*B, Hkv, T, D], layer order
+        pos = row_positions(offset1, k_new.shape)
+        keys, values = write_rows(keys, k_new, pos), write_rows(values, mx.concatenate([v for _, v in rows]), pos)
     return (*out, *_flatten([(keys, values)], states))
 
 

@@ -85,7 +85,8 @@ class Attention(nn.Module):
             if o is not None:  # through o_proj and the residual add in one op; with attn_chain the projection too
                 source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_qkv.quantized())
                 h, k_new, v_new = ops.attention_decode_add(lambda: self.fused_qkv(x, norm), *args, o[0], residual,
-                                                           group_size=o[1], bits=o[2], source=source, **kw)
+                                                           group_size=o[1], bits=o[2], source=source,
+                                                           kv_write=getattr(cache, "kv_write", False), **kw)
                 cache.update_and_fetch(k_new, v_new)
                 return h
             out, k_new, v_new = ops.attention_decode(self.fused_qkv(x, norm), *args, **kw)

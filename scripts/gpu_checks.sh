@@ -107,7 +107,13 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   -p 256 4096 -g 64 -n 2 --arms "${AB_ARMS:-stock,lily,lily-no-${unchained//,/+}}" --no-progress --json "$res/ab_decode.json" \
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
-  --model "$model" --context 64 4096 --json "$res/timeline_chains.json"
+  --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
+# Switch kv_write: attn_chain writes the new K/V rows into the stacked cache in place, so a step has neither the 20 copies
+# that concatenate the layers' rows nor the 2 scatters, nor the copies of the whole cache MLX makes for them (run 70:
+# 1.4-1.9 a step, 10 us at context 64 and 43 at 4096). Its cuda tests, then its timeline.
+step 60 120 "cuda tests of kv_write" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -k kv_write tests/test_decode.py
+step 60 120 "every chain on the GPU's timeline, kv_write on" env LILY_MLX_ENABLE=kv_write \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write.json"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.

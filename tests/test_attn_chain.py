@@ -84,14 +84,14 @@ def _check_chain(case, inputs, got, fold):
     assert err < TOL[case.dtype], f"{case}: h rel err {err:.2e}"
 
 
-def _emulated_launch(case, inputs, fold, prefetch=False, sms=None):
+def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=False):
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
     B, L, Hq, Hkv, D, K = case.B, case.tokens, case.Hq, case.Hkv, case.D, x.shape[-1]
     H, obits = o_proj[0].shape[0], o_proj[3]
     p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold, sms)
     inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
                        case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p,
-                       tokens=L, prefetch=prefetch)
+                       tokens=L, prefetch=prefetch, kv_write=kv_write)
     zero = mx.array([0], dtype=mx.int32)
     rows = [r for r in case.rows() if r is not None] or [zero, zero]
     args = [x, *qkv[:3], norm[0], qn, kn, keys, values, offset, mx.array([case.plane], dtype=mx.int32), *rows,
@@ -123,6 +123,34 @@ def test_chain_emulated_matches_reference(tmp_path):
     for (case, inputs, fold), (*got, sync) in zip(checks, emu.run()):
         _check_chain(case, inputs, got, fold)
         assert not np.array(sync).any(), f"{case}: counters left at {np.array(sync)}"
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_kv_write_emulated(tmp_path):
+    """KVW (switch kv_write): the outputs as without it, and keys and values, read back after the launch, hold k_new and
+    v_new at columns offset .. offset + T - 1 of the layer's plane and everything else as before (one token, several
+    tokens, stacked planes, a left-padded batch; both variants, threadgroups in index order or last first)."""
+    emu, checks = Emulator(tmp_path), []
+    for n, (c, fold) in enumerate([(CASES[0], True), (CASES[5], False), (CASES[6], True), (CASES[7], False),
+                                   (CASES[8], True)]):
+        case, K, bits, gs, H, obits = c
+        inputs = _inputs(case, K, bits, gs, H, obits, seed=n)
+        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, kv_write=True)
+        assert dict(inst.template)["KVW"]
+        keys_at, values_at = spec.input_names.index("keys"), spec.input_names.index("values")
+        emu.add(spec, inst, args, grid, group, shapes, reversed_groups=n % 2 == 1,
+                read_back=(len(args) - 1, keys_at, values_at))
+        checks.append((case, inputs, fold))
+    for (case, inputs, fold), (*got, sync, keys, values) in zip(checks, emu.run()):
+        _check_chain(case, inputs, got, fold)
+        assert not np.array(sync).any(), f"{case}: counters left at {np.array(sync)}"
+        before = inputs[5:7]
+        off, B, L = int(inputs[7][0]), case.B, case.tokens
+        planes = slice(case.plane * B, (case.plane + 1) * B)
+        for new, after, old in zip(got[:2], (keys, values), before):
+            want = np.array(old.astype(F32))  # exact: every dtype here widens to float32 exactly
+            want[planes, :, off:off + L, :] = np.array(new.astype(F32))
+            assert np.array_equal(np.array(after.astype(F32)), want), f"{case}: the cache after the launch"
 
 
 def test_plan_at_the_35b_shape():

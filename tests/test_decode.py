@@ -163,7 +163,7 @@ def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
         _stacked_equals_eager()
 
 
-def _stacked_equals_eager():
+def _stacked_equals_eager(batch: int = 2):
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
@@ -172,15 +172,15 @@ def _stacked_equals_eager():
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4, 64, "float32"))
     model = Model(cfg)  # 12 layers: three attention layers, three planes
     mx.eval(model.parameters())
-    prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(2, 9)))
+    prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(batch, 9)))
     eager, fast = model.make_cache(), model.make_cache()
     model(prompt, cache=eager)
     model(prompt, cache=fast)
     with ops.switched("stacked_kv", True):
         dec = CompiledDecoder(model, fast, reserve=8)
     n_attn = sum(not l.is_linear for l in model.layers)
-    assert dec.stacked and n_attn == 3 and len(dec.kv) == 1 and dec.kv[0][0].shape[0] == 2 * n_attn
-    tokens = np.random.default_rng(0).integers(0, NARROW["vocab_size"], size=(STEP + 12, 2))  # crosses a capacity
+    assert dec.stacked and n_attn == 3 and len(dec.kv) == 1 and dec.kv[0][0].shape[0] == batch * n_attn
+    tokens = np.random.default_rng(0).integers(0, NARROW["vocab_size"], size=(STEP + 12, batch))  # crosses a capacity
     worst = 0.0
     for t in tokens:
         x = mx.array(t[:, None])
@@ -193,8 +193,22 @@ def _stacked_equals_eager():
         if not model.layers[i].is_linear:
             n = c.offset
             assert n == eager[i].offset and mx.array_equal(c.keys[..., :n, :], eager[i].keys[..., :n, :]).item()
-    x = mx.array([[42], [7]])
+    x = mx.array([[42], [7]][:batch])
     assert float(mx.abs(model(x, cache=eager) - model(x, cache=fast)).max()) <= 1e-4
+
+
+@pytest.mark.cuda
+def test_kv_write_steps_equal_eager_steps_and_write_back_cuda(monkeypatch):
+    """kv_write at one row (attn_chain's): every attention launch of the compiled steps writes its rows into the
+    stacked cache in place, and the steps equal the eager model's across a capacity growth, write-back included."""
+    from lily_mlx.ops import attn_decode
+
+    marked = []
+    real = attn_decode.mark_written
+    monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
+    with ops.switched("kv_write", True):
+        _stacked_equals_eager(batch=1)
+    assert len(marked) >= 3, f"in-place writes marked: {marked}"  # three attention layers a traced step
 
 
 @pytest.mark.cuda

@@ -459,18 +459,20 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
 
 def attention_decode_add(proj, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, o_proj, residual, *,
                          n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float,
-                         group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None, source=None):
+                         group_size: int, bits: int, plane: int = 0, row_start=None, row_pos=None, source=None,
+                         kv_write: bool = False):
     """residual + o_proj(attention_decode(...)): a decode token's attention through its quantized output projection,
     o_proj = (w [N, Hq*D*bits/32], scales, biases [N, Hq*D/group]), and the residual add. Returns (h [B, T, N], k_new,
     v_new). With switch qmv_attn, a split cache's merge happens inside the projection (one launch fewer). proj: the
     fused projection, or a function returning it; source = (x [B, T, K], (input norm weight, eps), (w, scales,
     biases, bits, group_size) of the quantized projection) lets attn_chain run the whole layer half in one launch,
-    and a function given for proj is then not called."""
+    and a function given for proj is then not called. kv_write: attn_chain may also write k_new and v_new into keys
+    and values in place (attn_decode.written_in_place(k_new) says whether it did)."""
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
               plane=plane, row_start=row_start, row_pos=row_pos)
     if source is not None and enabled("attn_decode") and enabled("qmv"):
         out = _try("attn_chain", *source, q_norm_weight, k_norm_weight, eps, keys, values, offset,
-                   (*o_proj, bits, group_size), residual, fold=enabled("qmv_attn"), **kw)
+                   (*o_proj, bits, group_size), residual, fold=enabled("qmv_attn"), kv_write=kv_write, **kw)
         if out is not None:
             return out
     proj = proj() if callable(proj) else proj

@@ -94,14 +94,14 @@ def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_
              group_size: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float, eps: float, eps_in: float,
              scale: float, H: int, obits: int, ogs: int, fold: bool, rows: bool = False, capacity: int = 16,
              p: Optional[dict] = None, tokens: int = 1, wide: bool = False,
-             prefetch: bool = False) -> kernels.Instance:
+             prefetch: bool = False, kv_write: bool = False) -> kernels.Instance:
     """norm_dtype: q_norm/k_norm's; norm_in_dtype: the input norm's; scale_dtype / oscale_dtype: the input and output
     projections' scales and biases; H: the output projection's rows; p: plan()'s, when the caller has it; tokens:
-    new tokens a row; prefetch: chain_prefetch's L2 hints (PF)."""
+    new tokens a row; prefetch: chain_prefetch's L2 hints (PF); kv_write: attn_decode's KVW."""
     M = kernels.row_bucket(B * tokens)
     p = p or plan(M, K, Hq, Hkv, D, bits, H, obits, fold)
     attn = ad.instance(dtype, cache_dtype, norm_dtype, B, Hq, Hkv, D, rope_dims, rope_theta, eps, scale, True,
-                       capacity, rows, tokens, wide)
+                       capacity, rows, tokens, wide, kv_write)
     template = attn.template + (("WARPS", p["WARPS"]), ("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size),
                                 ("M", M), ("K", K), ("LANES", p["qkv"]["LANES"]), ("RPS", p["qkv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)), ("OBITS", obits), ("OGS", ogs),
@@ -118,13 +118,13 @@ def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_
 _LAUNCH: dict = {}  # argument signature -> (spec name, template, grid, threadgroup, nsplit) or None
 
 
-def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, kw, rows, fold):
+def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, kw, rows, fold, kv_write=False):
     wide, prefetch = enabled("attn_decode_wide"), enabled("chain_prefetch")
     target = kernels.plan_overrides().get("attn_chain", {}).get("BLOCKS", TARGET_BLOCKS)
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           wide, prefetch, target, kernels.sm_count())
+           wide, prefetch, target, kv_write, kernels.sm_count())
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -139,7 +139,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
         p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold, key[-1])
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
-                        ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch)
+                        ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch, kv_write=kv_write)
         threads = 32 * p["WARPS"]
         launch = ("attn_chain" if fold else "attn_chain_long", list(inst.template),
                   (blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)
@@ -149,21 +149,23 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
 
 def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, values, offset, o_proj, residual, *,
                n_heads: int, n_kv_heads: int, rope_dims: int, rope_theta: float, scale: float, plane: int = 0,
-               row_start=None, row_pos=None, fold: bool = True, backend: str, init_value: Optional[float] = None):
+               row_start=None, row_pos=None, fold: bool = True, backend: str, init_value: Optional[float] = None,
+               kv_write: bool = False):
     """Decode tokens' attention half from the layer's input: x [B, T, K] (T new tokens: 1, or a speculative verify's
     few), norm = (input norm weight [K], eps), qkv = (w, scales, biases, bits, group_size) of the fused projection
     [q | gate per head, k, v], o_proj the same of the output projection [H, Hq*D], residual [B, T, H]; the rest as
     ops.attention_decode takes them. fold: merge the splits inside o_proj where FOLD_MAX_SPLITS allows (switch
     qmv_attn), else attn_chain_long. -> (k_new, v_new [B, Hkv, T, D], part_acc, part_ml [B*T, Hq, NS, .],
     proj [B, T, PW], out [B, T, Hq*D] (attn_chain_long only), h [B, T, H] = residual + o_proj(attention)), or None
-    if not applicable."""
+    if not applicable. kv_write: the new rows also written into keys and values in place (switch kv_write; k_new is
+    then marked, attn_decode.written_in_place)."""
     if norm is None or qkv is None or o_proj is None or residual is None:
         return None
     rows = None if row_start is None else (row_start, row_pos)
     kw = dict(n_heads=n_heads, n_kv_heads=n_kv_heads, rope_dims=rope_dims, rope_theta=rope_theta, scale=scale,
               plane=plane)
     launch = _launch(x, norm, qkv, q_norm_weight, k_norm_weight, eps, keys, values, offset, o_proj, residual, kw, rows,
-                     fold)
+                     fold, kv_write)
     if launch is None:
         return None
     name, template, grid, group, ns = launch
@@ -178,7 +180,10 @@ def decode_add(x, norm, qkv, q_norm_weight, k_norm_weight, eps: float, keys, val
         dtypes.append(x.dtype)
     shapes.append(residual.shape)
     dtypes.append(x.dtype)
-    return tuple(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value))
+    out = tuple(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value))
+    if kv_write:
+        ad.mark_written(out[0])
+    return out
 
 
 def _instances(fold: bool) -> list[kernels.Instance]:
@@ -197,6 +202,8 @@ def _instances(fold: bool) -> list[kernels.Instance]:
                        fold, wide=True) for t in (bf16, f32)]  # attn_decode_wide
     insts += [instance(bf16, bf16, bf16, bf16, bf16, bf16, 1, 2048, 4, 64, 16, 2, 256, 64, 1e7, 1e-6, 1e-6, 256**-0.5,
                        2048, 4, 64, fold, prefetch=True)]  # chain_prefetch
+    insts += [instance(t, t, t, t, bf16, bf16, 1, 2048, 4, 64, 16, 2, 256, 64, 1e7, 1e-6, 1e-6, 256**-0.5, 2048, 4, 64,
+                       fold, kv_write=True) for t in (bf16, f32)]  # kv_write
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 

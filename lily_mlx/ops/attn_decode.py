@@ -12,6 +12,7 @@ reference) and registers switch "attn_decode".
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import mlx.core as mx
@@ -32,7 +33,7 @@ TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
 SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
-               "ROWS", "TOKS", "WIDE")
+               "ROWS", "TOKS", "WIDE", "KVW")
 
 
 def splits(rows: int, n_kv_heads: int, capacity: int, target_blocks: int = TARGET_BLOCKS) -> int:
@@ -78,13 +79,15 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
 
 def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
              eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False,
-             tokens: int = 1, wide: bool = False) -> kernels.Instance:
+             tokens: int = 1, wide: bool = False, kv_write: bool = False) -> kernels.Instance:
     """tokens: new tokens a row; the build holds row_bucket(tokens) of them (TOKS). wide: a lane's dims consecutive,
-    loaded 16 bytes at a time (switch attn_decode_wide)."""
+    loaded 16 bytes at a time (switch attn_decode_wide). kv_write: the new rows written into keys and values in place
+    too (KVW; switch kv_write)."""
     template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
                 ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
-                ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)), ("WIDE", bool(wide)))
+                ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)), ("WIDE", bool(wide)),
+                ("KVW", bool(kv_write)))
     kv = (cache_dtype, (B, Hkv, capacity, D))
     per_row = (mx.int32, (B,) if rows else (1,))
     inputs = ((dtype, (B, tokens, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
@@ -99,6 +102,19 @@ def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) 
 
 
 _LAUNCH: dict = {}
+_WRITTEN: dict = {}  # id(k_new) -> weakref of a k_new whose launch also wrote its rows into the cache (KVW)
+
+
+def mark_written(k_new: mx.array) -> None:
+    """Records that the launch which made k_new wrote the new rows into its keys and values in place."""
+    _WRITTEN[id(k_new)] = weakref.ref(k_new)
+    weakref.finalize(k_new, _WRITTEN.pop, id(k_new), None)
+
+
+def written_in_place(k_new: mx.array) -> bool:
+    """Whether k_new's launch wrote the new K and V rows into the cache it read (mark_written)."""
+    entry = _WRITTEN.get(id(k_new))
+    return entry is not None and entry() is k_new
 
 
 _PLANES: dict = {}  # (plane index, device_scalars) -> its int32 [1] array, made once (a constant of the compiled step)
