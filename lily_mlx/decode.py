@@ -36,6 +36,7 @@ ops.register_switch("kv_scatter", "compiled decode: K/V cache writes as a scatte
 # the whole stacked cache: 1.4-1.9 such copies a step, 10 us at context 64 and 43 at 4096, besides the 20 copies that
 # concatenate the layers' rows (45-50 us; H100 run 70). With kv_write, attn_chain writes its rows into the cache in
 # place and the step returns the same buffers (mx.depends on the launches): no concatenation, no scatter, no copy.
+# Per-layer caches (stacked_kv off, or one attention layer) likewise lose their 2 scatters a layer.
 ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V rows into the stacked cache in place",
                     default_on=False)
 # Opt-in until the server's 8-client load has been timed with it on the H200 (its cuda tests pass there).
@@ -68,6 +69,7 @@ class _StaticKV:
         self.keys, self.values, self.offset = keys, values, offset  # offset: int32 scalar array
         self.offset1 = offset1  # the same, shape [1]: what the fused decode attention reads
         self.pos = pos  # row_positions of the step's new rows
+        self.kv_write = ops.enabled("kv_write")  # the fused attention may write its rows in place (model.Attention)
 
     def decode_view(self):
         """(keys, values, offset [1], plane, row_start, row_pos): what ops.attention_decode reads before
@@ -75,8 +77,11 @@ class _StaticKV:
         return self.keys, self.values, self.offset1, 0, None, None
 
     def update_and_fetch(self, k: mx.array, v: mx.array):
-        self.keys = write_rows(self.keys, k, self.pos)
-        self.values = write_rows(self.values, v, self.pos)
+        if attn_decode.written_in_place(k):  # kv_write: the launch wrote them; order after it
+            self.keys, self.values = mx.depends([self.keys, self.values], [k, v])
+        else:
+            self.keys = write_rows(self.keys, k, self.pos)
+            self.values = write_rows(self.values, v, self.pos)
         return self.keys, self.values
 
     def make_mask(self, N: int, **_) -> mx.array:
@@ -92,7 +97,6 @@ class _StackedKV(_StaticKV):
     def __init__(self, keys: mx.array, values: mx.array, plane: int, offset: mx.array, offset1: mx.array, rows: list):
         super().__init__(keys, values, offset, offset1, None)
         self.plane, self.rows = plane, rows
-        self.kv_write = ops.enabled("kv_write")  # the fused attention may write its rows in place (model.Attention)
 
     def decode_view(self):
         return self.keys, self.values, self.offset1, self.plane, None, None

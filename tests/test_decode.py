@@ -212,6 +212,20 @@ def test_kv_write_steps_equal_eager_steps_and_write_back_cuda(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_kv_write_per_layer_steps_equal_eager_steps_cuda(tiny_checkpoints, monkeypatch):
+    """kv_write with per-layer caches (the tiny checkpoint's one attention layer): the compiled steps write the rows in
+    the attention launch and equal the eager model's across a capacity growth, write-back included."""
+    from lily_mlx.ops import attn_decode
+
+    marked = []
+    real = attn_decode.mark_written
+    monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
+    with ops.switched("kv_write", True):
+        _compiled_equals_eager(tiny_checkpoints)
+    assert marked, "no in-place write was marked"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("chains", [False, True], ids=["unchained", "every-chain"])
 def test_device_scalars_decode_the_same_cuda(chains):
     """The compiled decoder's steps with the offset and the attention planes in device memory (device_scalars) give

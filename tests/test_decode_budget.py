@@ -156,10 +156,12 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
         assert ops.enabled("stacked_kv") and ops.enabled("qmv_attn") and ops.enabled("dequant_rows")  # the defaults
 
 
-def test_kv_write_step_writes_the_rows_in_its_attention_launches(monkeypatch, tmp_path):
-    """kv_write with the defaults (every chain, stacked_kv, kv_scatter): each attention launch is built with KVW and
-    the step's cache outputs depend on them, so the step has no row concatenation and no scatter (the 4 primitives and
-    20 copies they cost a step), and the launches are the same as without it."""
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked_kv", "per-layer"])
+def test_kv_write_step_writes_the_rows_in_its_attention_launches(monkeypatch, tmp_path, stacked):
+    """kv_write with the defaults (every chain, kv_scatter; stacked_kv or per-layer caches): each attention launch is
+    built with KVW and the step's cache outputs depend on them, so the step has no row concatenation and no scatter
+    (stacked: 2 concatenations, 20 copies and 2 scatters a step; per layer: 2 scatters a layer), and its launches are
+    the same as without it."""
     model = step_dispatch.layer_stack()
     caches = {on: model.make_cache() for on in (False, True)}
     for c in caches.values():
@@ -176,16 +178,17 @@ def test_kv_write_step_writes_the_rows_in_its_attention_launches(monkeypatch, tm
 
         monkeypatch.setattr(kernels, "launch", standin)
         monkeypatch.setattr(ops, "backend", lambda: "cuda")
-        with ops.switched("kv_write", on):
+        with ops.switched("kv_write", on), ops.switched("stacked_kv", stacked):
             dec = CompiledDecoder(model, caches[on], reserve=4)
-            assert dec.stacked
+            assert dec.stacked == stacked
             mx.eval(dec.kv, dec.states)
             flat = [a for pair in dec.kv for a in pair] + [a for pair in dec.states for a in pair]
             launched.clear()  # the step's own launches
             step = dec._step(mx.array([[1]]), mx.array([dec.offset], dtype=mx.int32), *flat)
         counts[on] = (_primitives(step, tmp_path / f"step{on}.dot"), launched)
     (off, off_launches), (with_kv, on_launches) = counts[False], counts[True]
+    n_attn = sum(not l.is_linear for l in model.layers)
     assert on_launches == off_launches and kvw == {False: {False}, True: {True}}
-    assert off["ScatterAxis"] == 2 and off["Concatenate"] == 2
+    assert off["ScatterAxis"] == (2 if stacked else 2 * n_attn) and off["Concatenate"] == (2 if stacked else 0)
     assert with_kv["ScatterAxis"] == 0 and with_kv["Concatenate"] == 0
-    assert with_kv["Depends"] == off["Depends"] + 1  # the cache outputs after the launches
+    assert with_kv["Depends"] == off["Depends"] + (1 if stacked else n_attn)  # the cache outputs after the launches
