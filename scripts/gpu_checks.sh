@@ -114,6 +114,8 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
 step 60 120 "cuda tests of kv_write" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -k kv_write tests/test_decode.py
 step 60 120 "every chain on the GPU's timeline, kv_write on" env LILY_MLX_ENABLE=kv_write \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write.json"
+step 100 240 "A/B, kv_write on vs off, at 256 and 4096" python3 -m bench.ab --model "$model" -p 256 4096 -g 64 -n 2 \
+  --arms lily,lily-with-kv_write --no-progress --json "$res/ab_kv_write.json" --markdown "$res/ab_kv_write.md"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
@@ -127,9 +129,11 @@ if [ -d .base/lily_mlx ]; then
     "LILY_MLX_DISABLE=$unchained python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_new.json \
 && cd .base && $base_env python3 -m bench.gpu_timeline --model $model --context 64 --json $res/timeline_base.json"
 fi
-# Where attn_chain's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page comes back
-# as a file). Run 48's try over 8 chain launches with more sections passed 200 s.
-step 60 240 "ncu source counters of attn_chain (context 64)" bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
+# Where deltanet_chain_out's warps stall, instruction by instruction (ncu's PC sampling of one launch; the SASS page
+# comes back as a file): its projection phase works 10.4 us a block from DRAM and 8.6 from L2 (run 70), so neither
+# bandwidth nor latency of DRAM is what holds it. Run 48's try over 8 chain launches with more sections passed 200 s.
+step 60 240 "ncu source counters of deltanet_chain_out (context 64)" env KERNEL=deltanet_chain_out \
+  bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
 step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
