@@ -37,7 +37,7 @@ ops.register_switch("kv_scatter", "compiled decode: K/V cache writes as a scatte
 # concatenate the layers' rows (45-50 us; H100 run 70). With kv_write, attn_chain writes its rows into the cache in
 # place and the step returns the same buffers (mx.depends on the launches): no concatenation, no scatter, no copy.
 # Per-layer caches (stacked_kv off, or one attention layer) likewise lose their 2 scatters a layer.
-ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V rows into the stacked cache in place",
+ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V rows into the cache in place",
                     default_on=False)
 # Opt-in until the server's 8-client load has been timed with it on the H200 (its cuda tests pass there).
 ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
