@@ -108,6 +108,10 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
+# deltanet_step's first-token state rows loaded before its conv (LILY_DN_STATE_EARLY=1): deltanet_chain_out's
+# recurrence phase works 5.4 us a block with those DRAM loads behind the conv's reads, its barrier and the norms.
+step 60 120 "every chain on the GPU's timeline, LILY_DN_STATE_EARLY=1" env LILY_MLX_KERNEL_DEFINES=LILY_DN_STATE_EARLY=1 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_dn_state_early.json"
 # Switch kv_write: attn_chain writes the new K/V rows into the stacked cache in place, so a step has neither the 20 copies
 # that concatenate the layers' rows nor the 2 scatters, nor the copies of the whole cache MLX makes for them (run 70:
 # 1.4-1.9 a step, 10 us at context 64 and 43 at 4096). Its cuda tests, then its timeline.
