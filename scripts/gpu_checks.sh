@@ -120,6 +120,13 @@ step 60 120 "every chain on the GPU's timeline, kv_write on" env LILY_MLX_ENABLE
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write.json"
 step 100 240 "A/B, kv_write on vs off, at 256 and 4096" python3 -m bench.ab --model "$model" -p 256 4096 -g 64 -n 2 \
   --arms lily,lily-with-kv_write --no-progress --json "$res/ab_kv_write.json" --markdown "$res/ab_kv_write.md"
+# The lm_head (the chained step's one standalone qmv: 105 us, 2.4 TB/s, run 70) at other rows a lane: its 528 blocks of
+# 128 registers run in two waves of 2 an SM, each looping over its rows one memory latency at a time. RPS 2 keeps 128
+# registers and takes 4 chunks a lane an iteration; RPS 1 takes 72 registers (3 blocks an SM) and 2 chunks.
+for rps in 2 1; do
+  step 60 90 "every chain on the GPU's timeline, LILY_MLX_PLAN=qmv.RPS=$rps (the lm_head)" env LILY_MLX_PLAN=qmv.RPS=$rps \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_lm_head_rps$rps.json"
+done
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
