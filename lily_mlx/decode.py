@@ -410,7 +410,7 @@ def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[in
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
     out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
-    if rows and all(attn_decode.written_in_place(k) for k, _ in rows):  # kv_write: the launches wrote them; order after them
+    if rows and all(attn_decode.written_in_place(k) for k, _ in rows):  # kv_write: written; order after the launches
         keys, values = mx.depends([keys, values], [a for row in rows for a in row])
     else:
         k_new = mx.concatenate([k for k, _ in rows])  # [P*B, Hkv, T, D], layer order

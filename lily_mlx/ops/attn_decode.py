@@ -12,12 +12,11 @@ reference) and registers switch "attn_decode".
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional
 
 import mlx.core as mx
 
-from . import enabled, kernels, metal_source, register_kernel, register_switch
+from . import enabled, kernels, metal_source, packing, register_kernel, register_switch
 
 ACT_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MAX_HEAD_DIM = 512  # a lane holds D/32 dims of q, k, v and the output
@@ -102,19 +101,17 @@ def combine_instance(dtype, B: int, Hq: int, Hkv: int, D: int, nsplit: int = 2) 
 
 
 _LAUNCH: dict = {}
-_WRITTEN: dict = {}  # id(k_new) -> weakref of a k_new whose launch also wrote its rows into the cache (KVW)
+_WRITTEN = packing.ArrayTags()  # the k_new of launches that also wrote their rows into the cache (KVW)
 
 
 def mark_written(k_new: mx.array) -> None:
     """Records that the launch which made k_new wrote the new rows into its keys and values in place."""
-    _WRITTEN[id(k_new)] = weakref.ref(k_new)
-    weakref.finalize(k_new, _WRITTEN.pop, id(k_new), None)
+    _WRITTEN.set(k_new, True)
 
 
 def written_in_place(k_new: mx.array) -> bool:
     """Whether k_new's launch wrote the new K and V rows into the cache it read (mark_written)."""
-    entry = _WRITTEN.get(id(k_new))
-    return entry is not None and entry() is k_new
+    return _WRITTEN.get(k_new, False)
 
 
 _PLANES: dict = {}  # (plane index, device_scalars) -> its int32 [1] array, made once (a constant of the compiled step)

@@ -24,8 +24,29 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 ALIGN_WORDS = 4  # 16 bytes: every block starts where a 16-byte load may read it
-_PACKED: dict[int, tuple] = {}  # id(codes view) -> (weakref codes, weakref scales, weakref biases, packed)
-_BUNDLED: dict[int, tuple] = {}  # id(member view) -> (weakref view, bundle, word offset)
+
+
+class ArrayTags:
+    """A value tagged to an array object: found for that very object only (by id, checked through a weak reference),
+    and dropped when the array goes."""
+
+    def __init__(self):
+        self._tags: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._tags)
+
+    def set(self, a: mx.array, value) -> None:
+        self._tags[id(a)] = (weakref.ref(a), value)
+        weakref.finalize(a, self._tags.pop, id(a), None)
+
+    def get(self, a: mx.array, default=None):
+        entry = self._tags.get(id(a))
+        return entry[1] if entry is not None and entry[0]() is a else default
+
+
+_PACKED = ArrayTags()  # codes view -> (weakref scales, weakref biases, packed)
+_BUNDLED = ArrayTags()  # member view -> (bundle, word offset)
 _MAX_WORDS = 2**31 - 1
 
 
@@ -97,9 +118,7 @@ def _triple_views(packed: mx.array, w: mx.array, scales: mx.array, biases: mx.ar
     s_at, b_at, _ = offsets(math.prod(w.shape[:-1]), w.shape[-1], scales.shape[-1], scales.dtype.size)
     views = (_view(flat, 0, w), _view(flat, s_at, scales), _view(flat, b_at, biases))
     mx.eval(*views)
-    key = id(views[0])
-    _PACKED[key] = (*(weakref.ref(v) for v in views), packed)
-    weakref.finalize(views[0], _PACKED.pop, key, None)
+    _PACKED.set(views[0], (weakref.ref(views[1]), weakref.ref(views[2]), packed))
     return views
 
 
@@ -114,11 +133,11 @@ def pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.
 
 def lookup(w: mx.array, scales: mx.array, biases: mx.array) -> Optional[mx.array]:
     """The packed array whose views are exactly these three arrays (the objects pack() returned), else None."""
-    entry = _PACKED.get(id(w))
+    entry = _PACKED.get(w)
     if entry is None:
         return None
-    rw, rs, rb, packed = entry
-    return packed if rw() is w and rs() is scales and rb() is biases else None
+    rs, rb, packed = entry
+    return packed if rs() is scales and rb() is biases else None
 
 
 Member = Union[mx.array, tuple[mx.array, mx.array, mx.array]]  # an array, or a quantized weight's three
@@ -178,12 +197,10 @@ def bundle(members: Sequence[Member]) -> tuple[mx.array, list]:
             head = _view(blob, start, m)
             mx.eval(head)
             views.append(head)
-        _BUNDLED[id(head)] = (weakref.ref(head), blob, start)
-        weakref.finalize(head, _BUNDLED.pop, id(head), None)
+        _BUNDLED.set(head, (blob, start))
     return blob, views
 
 
 def bundled(a: mx.array) -> Optional[tuple[mx.array, int]]:
     """(bundle, word offset) when a is a member view bundle() made (a weight's: its packed array), else None."""
-    entry = _BUNDLED.get(id(a))
-    return entry[1:] if entry is not None and entry[0]() is a else None
+    return _BUNDLED.get(a)
