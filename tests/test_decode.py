@@ -197,15 +197,21 @@ def _stacked_equals_eager(batch: int = 2):
     assert float(mx.abs(model(x, cache=eager) - model(x, cache=fast)).max()) <= 1e-4
 
 
-@pytest.mark.cuda
-def test_kv_write_steps_equal_eager_steps_and_write_back_cuda(monkeypatch):
-    """kv_write at one row (attn_chain's): every attention launch of the compiled steps writes its rows into the
-    stacked cache in place, and the steps equal the eager model's across a capacity growth, write-back included."""
+def _marked_writes(monkeypatch) -> list:
+    """The shapes of the k_new arrays attn_chain marks as written into the cache in place (kv_write), as marked."""
     from lily_mlx.ops import attn_decode
 
     marked = []
     real = attn_decode.mark_written
     monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
+    return marked
+
+
+@pytest.mark.cuda
+def test_kv_write_steps_equal_eager_steps_and_write_back_cuda(monkeypatch):
+    """kv_write at one row (attn_chain's): every attention launch of the compiled steps writes its rows into the
+    stacked cache in place, and the steps equal the eager model's across a capacity growth, write-back included."""
+    marked = _marked_writes(monkeypatch)
     with ops.switched("kv_write", True):
         _stacked_equals_eager(batch=1)
     assert len(marked) >= 3, f"in-place writes marked: {marked}"  # three attention layers a traced step
@@ -215,11 +221,7 @@ def test_kv_write_steps_equal_eager_steps_and_write_back_cuda(monkeypatch):
 def test_kv_write_per_layer_steps_equal_eager_steps_cuda(tiny_checkpoints, monkeypatch):
     """kv_write with per-layer caches (the tiny checkpoint's one attention layer): the compiled steps write the rows in
     the attention launch and equal the eager model's across a capacity growth, write-back included."""
-    from lily_mlx.ops import attn_decode
-
-    marked = []
-    real = attn_decode.mark_written
-    monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
+    marked = _marked_writes(monkeypatch)
     with ops.switched("kv_write", True):
         _compiled_equals_eager(tiny_checkpoints)
     assert marked, "no in-place write was marked"

@@ -83,10 +83,15 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
         _close(case, "h", got[4], x.astype(F32) + _matmul_ref(out, out_proj))
 
 
-def _emulate(emu, runs):
-    """Queues each run (case, with_out, prefetch, sms) on the emulator, threadgroups last first in every other one;
-    -> what _check_emulated needs of each."""
-    checks = []
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_reference(tmp_path):
+    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
+    whose weights pack also with packed weights, bit for bit the same."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []
+    # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
+    # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
+    runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
+    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
     for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
@@ -112,26 +117,9 @@ def _emulate(emu, runs):
         emu.add(dc.OUT_SPEC if with_out else dc.SPEC, inst, args, (blocks * threads, 1, 1), (threads, 1, 1), shapes,
                 reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append(((case, x, norm, in_proj, params, conv_state, state, mask), out_proj))
-    return checks
-
-
-def _check_emulated(checks, results):
-    for (c, out_proj), (*got, sync) in zip(checks, results):
+    for (c, out_proj), (*got, sync) in zip(checks, emu.run()):
         _check(*c, got, out_proj)
         assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
-
-
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_matches_reference(tmp_path):
-    """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same."""
-    emu = Emulator(tmp_path, packed_twins=True)
-    # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
-    # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
-    runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
-    runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
-    checks = _emulate(emu, runs)
-    _check_emulated(checks, emu.run())
 
 
 def test_plan_runs_both_phases_in_the_steps_blocks():

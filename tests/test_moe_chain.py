@@ -46,10 +46,13 @@ def _check(c, a, router, y, logits, packed):
     return _check_down(c, dict(a, h=h, hs=hs, inds=ids, scores=w, logits=logits, residual=a["x"]), y)
 
 
-def _emulate(emu, runs) -> list:
-    """Adds each run ((case, router bits, router group), forced plan or None, prefetch) to the emulator, every second
-    one with its threadgroups last first; -> (case, its arrays, router) per run, for _check_emulated."""
-    checks = []
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_chain_emulated_matches_oracle(tmp_path):
+    """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
+    first; the counters come back zero."""
+    emu, checks = Emulator(tmp_path, packed_twins=True), []  # packed weights too, bit for bit the same
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
     for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
@@ -62,25 +65,9 @@ def _emulate(emu, runs) -> list:
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
                 read_back=(len(args) - 1,))
         checks.append((c, a, router))
-    return checks
-
-
-def _check_emulated(checks, results) -> None:
-    """Each run against the oracles, phase by phase; its counters back at zero."""
-    for (c, a, router), (y, logits, packed, sync) in zip(checks, results):
+    for (c, a, router), (y, logits, packed, sync) in zip(checks, emu.run()):
         _check(c, a, router, y, logits, packed)
         assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
-
-
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_matches_oracle(tmp_path):
-    """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
-    first; the counters come back zero."""
-    emu = Emulator(tmp_path, packed_twins=True)  # packed weights too, bit for bit the same
-    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
-    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
-    checks = _emulate(emu, runs)
-    _check_emulated(checks, emu.run())
 
 
 def test_plan_shares_one_block_size():
