@@ -118,6 +118,11 @@ step 60 120 "every chain on the GPU's timeline, LILY_DN_STATE_EARLY=1" env LILY_
 step 60 120 "cuda tests of kv_write" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -k kv_write tests/test_decode.py
 step 60 120 "every chain on the GPU's timeline, kv_write on" env LILY_MLX_ENABLE=kv_write \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write.json"
+# The ~14 us idle gaps between a step's kernels (5 a step, ~70 us: 3% of it): MLX commits its CUDA graph whenever the
+# launches' inputs pass MLX_MAX_MB_PER_BUFFER (counted in elements, about every 8 MoE layers) or it holds
+# MLX_MAX_OPS_PER_BUFFER launches (100). Both raised: one commit a step.
+step 60 90 "every chain on the GPU's timeline, one graph commit a step" env MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=100000 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_max_mb.json"
 step 100 240 "A/B, kv_write on vs off, at 256 and 4096" python3 -m bench.ab --model "$model" -p 256 4096 -g 64 -n 2 \
   --arms lily,lily-with-kv_write --no-progress --json "$res/ab_kv_write.json" --markdown "$res/ab_kv_write.md"
 # The lm_head (the chained step's one standalone qmv: 105 us, 2.4 TB/s, run 70) at other rows a lane: its 528 blocks of
