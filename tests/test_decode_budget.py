@@ -71,7 +71,8 @@ def test_decode_step_budget(monkeypatch, tmp_path, stacked, fold, chain, dn_chai
     switches = contextlib.ExitStack()
     for name, on in (("qmv_attn", fold), ("dequant_rows", fold), ("moe_chain", chain), ("deltanet_chain", dn_chain == 1),
                      ("deltanet_chain_out", dn_chain == 2), ("attn_chain", attn), ("kv_scatter", scatter),
-                     ("packed_weights", bool(packed)), ("bundled_weights", bundled)):
+                     ("packed_weights", bool(packed)), ("bundled_weights", bundled),
+                     ("kv_write", False)):  # counts the writes; kv_write's step: the test below
         switches.enter_context(ops.switched(name, on))
     launches, standin_outputs, edges = collections.Counter(), [0], [0]
 

@@ -222,8 +222,8 @@ def test_chains_take_one_row_unless_opted_in(monkeypatch):
         assert run(x) is not None and calls[-1] == x.shape
     assert ops.one_row_or_opted_in("moe_chain", x[0]) and not ops.one_row_or_opted_in("moe_chain", x[:2, 0])
     assert set(ops.backend_defaults("cuda")) == {"moe_chain", "deltanet_chain_out", "attn_chain", "packed_weights",
-                                                 "bundled_weights", "kv_scatter", "cuda_source_files", "logprobs",
-                                                 "logprobs_argmax"}
+                                                 "bundled_weights", "kv_scatter", "kv_write", "cuda_source_files",
+                                                 "logprobs", "logprobs_argmax"}
     assert ops.backend_defaults("metal") == ()
 
 
