@@ -111,41 +111,52 @@ LILY_INLINE float4 lily_normed4(float4 v, float rinv, float4 w) {
                  lily_normed<T>(v.w, rinv, w.w));
 }
 
-// One token's row x [H] (with NORM, RMS-normalised by nw as mx.fast.rms_norm rounds it) staged as floats for
-// 16-byte chunks of CPC codes: xs4 holds chunk c's CPC/4 float4s swizzled (lily_swizzle), xsum[c] their sum. Every
-// thread of a block of WARPS warps takes part; red is WARPS floats of scratch. Ends with a barrier.
-template <typename T, int H, int CPC, int WARPS, bool NORM, typename TX, typename TN>
-LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4, LILY_TG_PTR float* xsum,
-                                LILY_TG_PTR float* red, int tid) {
+// One token's row x [H] as lily_stage_row reads it: a thread's float4s of x (and with NORM of nw) in registers, so a
+// caller can send these loads before others (lily_load_row) and stage them later (lily_stage_loaded_row).
+template <int H, int WARPS>
+struct lily_row_regs {
+  static constexpr int ITERS = (H / 4 + 32 * WARPS - 1) / (32 * WARPS);
+  float4 v[ITERS];
+  float4 w[ITERS];
+};
+
+template <int H, int WARPS, bool NORM, typename TX, typename TN>
+LILY_INLINE void lily_load_row(TX x, TN nw, int tid, LILY_THREAD lily_row_regs<H, WARPS>& r) {
+  LILY_UNROLL
+  for (int it = 0; it < lily_row_regs<H, WARPS>::ITERS; ++it) {
+    const int e = it * 32 * WARPS + tid;  // float4 index into the row
+    r.v[it] = r.w[it] = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (e < H / 4) {
+      r.v[it] = lily_float4(x, e * 4);
+      if (NORM) r.w[it] = lily_float4(nw, e * 4);
+    }
+  }
+}
+
+// The row (with NORM, RMS-normalised by nw as mx.fast.rms_norm rounds it) staged as floats for 16-byte chunks of CPC
+// codes: xs4 holds chunk c's CPC/4 float4s swizzled (lily_swizzle), xsum[c] their sum. Every thread of a block of
+// WARPS warps takes part; red is WARPS floats of scratch. Ends with a barrier.
+template <typename T, int H, int CPC, int WARPS, bool NORM>
+LILY_INLINE void lily_stage_loaded_row(LILY_THREAD const lily_row_regs<H, WARPS>& r, float eps,
+                                       LILY_TG_PTR float4* xs4, LILY_TG_PTR float* xsum, LILY_TG_PTR float* red,
+                                       int tid) {
   constexpr int F4C = CPC / 4;
   constexpr int C = H / CPC;
-  constexpr int NTHREADS = 32 * WARPS;
-  constexpr int STAGE_ITERS = (C * F4C + NTHREADS - 1) / NTHREADS;
-  // x (and nw) read once into registers, the norm's sum of squares taken from them: one trip to memory, not two.
-  float4 v[STAGE_ITERS];
-  float4 wv[STAGE_ITERS];
-  float ss[1] = {0.0f};
+  constexpr int ITERS = lily_row_regs<H, WARPS>::ITERS;
+  float ss[1] = {0.0f};  // the norm's sum of squares from the registers: x read once
   LILY_UNROLL
-  for (int it = 0; it < STAGE_ITERS; ++it) {
-    const int e = it * NTHREADS + tid;  // float4 index into the row
-    v[it] = wv[it] = LILY_F4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (e < C * F4C) {
-      v[it] = lily_float4(x, e * 4);
-      if (NORM) {
-        wv[it] = lily_float4(nw, e * 4);
-        ss[0] += lily_sum_sq4(v[it]);
-      }
-    }
+  for (int it = 0; it < ITERS; ++it) {
+    if (NORM && it * 32 * WARPS + tid < H / 4) ss[0] += lily_sum_sq4(r.v[it]);
   }
   float rinv[1] = {0.0f};
   if (NORM) lily_rsqrt_of_sums<1, H, WARPS>(ss, eps, red, rinv, tid);
   LILY_UNROLL
-  for (int it = 0; it < STAGE_ITERS; ++it) {
-    const int e = it * NTHREADS + tid;
+  for (int it = 0; it < ITERS; ++it) {
+    const int e = it * 32 * WARPS + tid;
     const int cl = e / F4C;
     const int f = e - cl * F4C;
     const bool ok = cl < C;
-    const float4 u = NORM && ok ? lily_normed4<T>(v[it], rinv[0], wv[it]) : v[it];
+    const float4 u = NORM && ok ? lily_normed4<T>(r.v[it], rinv[0], r.w[it]) : r.v[it];
     float part = (u.x + u.y) + (u.z + u.w);
     LILY_UNROLL
     for (int off = 1; off < F4C; off <<= 1) part += lily_shfl_xor(part, off);  // the chunk's sum
@@ -155,6 +166,15 @@ LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4,
     }
   }
   LILY_BARRIER();
+}
+
+// lily_load_row, then lily_stage_loaded_row.
+template <typename T, int H, int CPC, int WARPS, bool NORM, typename TX, typename TN>
+LILY_INLINE void lily_stage_row(TX x, TN nw, float eps, LILY_TG_PTR float4* xs4, LILY_TG_PTR float* xsum,
+                                LILY_TG_PTR float* red, int tid) {
+  lily_row_regs<H, WARPS> r;
+  lily_load_row<H, WARPS, NORM>(x, nw, tid, r);
+  lily_stage_loaded_row<T, H, CPC, WARPS, NORM>(r, eps, xs4, xsum, red, tid);
 }
 
 // The router's logits (an RBITS-bit affine [LS, H] matrix wr, sr, br) against x' staged by lily_stage_row for

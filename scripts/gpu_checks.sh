@@ -108,30 +108,18 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
-# deltanet_step's first-token state rows loaded before its conv (LILY_DN_STATE_EARLY=1): deltanet_chain_out's
-# recurrence phase works 5.4 us a block with those DRAM loads behind the conv's reads, its barrier and the norms.
-step 60 120 "every chain on the GPU's timeline, LILY_DN_STATE_EARLY=1" env LILY_MLX_KERNEL_DEFINES=LILY_DN_STATE_EARLY=1 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_dn_state_early.json"
-# Switch kv_write: attn_chain writes the new K/V rows into the stacked cache in place, so a step has neither the 20 copies
-# that concatenate the layers' rows nor the 2 scatters, nor the copies of the whole cache MLX makes for them (run 70:
-# 1.4-1.9 a step, 10 us at context 64 and 43 at 4096). Its cuda tests, then its timeline.
-step 60 120 "cuda tests of kv_write" python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider -k kv_write tests/test_decode.py
-step 60 120 "every chain on the GPU's timeline, kv_write on" env LILY_MLX_ENABLE=kv_write \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write.json"
-# The ~14 us idle gaps between a step's kernels (5 a step, ~70 us: 3% of it): MLX commits its CUDA graph whenever the
-# launches' inputs pass MLX_MAX_MB_PER_BUFFER (counted in elements, about every 8 MoE layers) or it holds
-# MLX_MAX_OPS_PER_BUFFER launches (100). Both raised: one commit a step.
-step 60 90 "every chain on the GPU's timeline, one graph commit a step" env MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=100000 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_max_mb.json"
+# LILY_X_FIRST=1: a projection's x loads (qmv.inc with x in one tile, moe_chain's router) go out before its weight
+# loads, not behind them: run 71's ncu had 36% of deltanet_chain_out's projection samples waiting on x's first use.
+step 60 120 "every chain on the GPU's timeline, LILY_X_FIRST=1" env LILY_MLX_KERNEL_DEFINES=LILY_X_FIRST=1 \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_x_first.json"
+# Switch kv_write (on by default on CUDA since run 71): attn_chain writes the new K/V rows into the stacked cache in
+# place, so a step has neither the 20 copies that concatenate the layers' rows nor the 2 scatters, nor the copies of
+# the whole cache MLX makes for them. Its attribution: lily with and without it (two packing arms fit an 80 GB H100;
+# a third beside stock does not, run 71).
+step 60 120 "every chain on the GPU's timeline, kv_write off" env LILY_MLX_DISABLE=kv_write \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write_off.json"
 step 100 240 "A/B, kv_write on vs off, at 256 and 4096" python3 -m bench.ab --model "$model" -p 256 4096 -g 64 -n 2 \
-  --arms lily,lily-with-kv_write --no-progress --json "$res/ab_kv_write.json" --markdown "$res/ab_kv_write.md"
-# The lm_head (the chained step's one standalone qmv: 105 us, 2.4 TB/s, run 70) at other rows a lane: its 528 blocks of
-# 128 registers run in two waves of 2 an SM, each looping over its rows one memory latency at a time. RPS 2 keeps 128
-# registers and takes 4 chunks a lane an iteration; RPS 1 takes 72 registers (3 blocks an SM) and 2 chunks.
-for rps in 2 1; do
-  step 60 90 "every chain on the GPU's timeline, LILY_MLX_PLAN=qmv.RPS=$rps (the lm_head)" env LILY_MLX_PLAN=qmv.RPS=$rps \
-    python3 -m bench.gpu_timeline --model "$model" --context 64 --json "$res/timeline_lm_head_rps$rps.json"
-done
+  --arms lily,lily-no-kv_write --no-progress --json "$res/ab_kv_write.json" --markdown "$res/ab_kv_write.md"
 # Every chain's step and the unchained one in an earlier tree, for an A/B of kernel changes in one lease: .base/ holds it, made
 # before the lease (git archive <commit> lily_mlx kernels bench pyproject.toml | tar -x -C .base --exclude bench/results)
 # and carried (carry [".device", ".ptx-cache", ".base"]); its kernels build there unless the ptx cache has them.
