@@ -108,10 +108,6 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
-# LILY_X_FIRST=1: a projection's x loads (qmv.inc with x in one tile, moe_chain's router) go out before its weight
-# loads, not behind them: run 71's ncu had 36% of deltanet_chain_out's projection samples waiting on x's first use.
-step 60 120 "every chain on the GPU's timeline, LILY_X_FIRST=1" env LILY_MLX_KERNEL_DEFINES=LILY_X_FIRST=1 \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_x_first.json"
 # Switch kv_write (on by default on CUDA since run 71): attn_chain writes the new K/V rows into the stacked cache in
 # place, so a step has neither the 20 copies that concatenate the layers' rows nor the 2 scatters, nor the copies of
 # the whole cache MLX makes for them. Its attribution: lily with and without it (two packing arms fit an 80 GB H100;

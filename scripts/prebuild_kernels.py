@@ -41,7 +41,7 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "", "LILY_X_FIRST=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""),
 ]
 CONTEXTS = (64, 4096)
 
