@@ -108,6 +108,12 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
+# Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
+# (bench/chain_trace.py), in the compiled decoder's steps as generate runs them. Early in the order: moe_chain
+# (45% of the step) did not move with x first (run 72), and its router phase's wait is the open question.
+step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
+  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
+  --compiled --json "$res/chain_trace.json"
 # Switch kv_write (on by default on CUDA since run 71): attn_chain writes the new K/V rows into the stacked cache in
 # place, so a step has neither the 20 copies that concatenate the layers' rows nor the 2 scatters, nor the copies of
 # the whole cache MLX makes for them. Its attribution: lily with and without it (two packing arms fit an 80 GB H100;
@@ -134,11 +140,6 @@ fi
 # bandwidth nor latency of DRAM is what holds it. Run 48's try over 8 chain launches with more sections passed 200 s.
 step 60 240 "ncu source counters of deltanet_chain_out (context 64)" env KERNEL=deltanet_chain_out \
   bash kernels/scratch/chain_ncu_source.sh "$model" 64 "$out"
-# Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
-# (bench/chain_trace.py), in the compiled decoder's steps as generate runs them.
-step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LILY_MLX_ENABLE="$chains" \
-  LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 python3 -m bench.chain_trace --model "$model" --context 64 4096 \
-  --compiled --json "$res/chain_trace.json"
 # chain_prefetch's L2 hints, issued for the first time since kernels.expand keeps the chains' hooks (twenty-first
 # session; the nineteenth's A/B timed kernels without them): every chain with and without them, and their cuda tests.
 step 60 120 "cuda tests of the chains' prefetch" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider -k prefetch \
