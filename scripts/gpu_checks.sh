@@ -116,8 +116,8 @@ step 60 150 "inside every chain: blocks' tickets, waits, marks and ends" env LIL
   --compiled --json "$res/chain_trace.json"
 # Switch kv_write (on by default on CUDA since run 71): attn_chain writes the new K/V rows into the stacked cache in
 # place, so a step has neither the 20 copies that concatenate the layers' rows nor the 2 scatters, nor the copies of
-# the whole cache MLX makes for them. Its attribution: lily with and without it (two packing arms fit an 80 GB H100;
-# a third beside stock does not, run 71).
+# the whole cache MLX makes for them. Its attribution: lily with and without it, no stock arm (stock beside two arms
+# that pack their weights ran out of memory on an 80 GB H100, runs 70-71; two such arms alone are untried).
 step 60 120 "every chain on the GPU's timeline, kv_write off" env LILY_MLX_DISABLE=kv_write \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 16384 --json "$res/timeline_kv_write_off.json"
 step 100 240 "A/B, kv_write on vs off, at 256 and 4096" python3 -m bench.ab --model "$model" -p 256 4096 -g 64 -n 2 \

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import lily_mlx
+from bench.step_dispatch import NARROW
 from lily_mlx import ops
 from lily_mlx.decode import STEP, CompiledDecoder
 
@@ -163,24 +164,29 @@ def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
         _stacked_equals_eager()
 
 
-def _stacked_equals_eager(batch: int = 2):
+def _narrow_model(dtype: str):
+    """The 35B-A3B layer pattern at NARROW widths, 12 layers (three attention layers), random 4-bit weights."""
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
-    from bench.step_dispatch import NARROW
 
-    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4, 64, "float32"))
-    model = Model(cfg)  # 12 layers: three attention layers, three planes
+    model = Model(ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4,
+                                                                 64, dtype)))
     mx.eval(model.parameters())
-    prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(batch, 9)))
+    return model
+
+
+def _stacked_equals_eager():
+    model = _narrow_model("float32")  # three attention layers, three planes
+    prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(2, 9)))
     eager, fast = model.make_cache(), model.make_cache()
     model(prompt, cache=eager)
     model(prompt, cache=fast)
     with ops.switched("stacked_kv", True):
         dec = CompiledDecoder(model, fast, reserve=8)
     n_attn = sum(not l.is_linear for l in model.layers)
-    assert dec.stacked and n_attn == 3 and len(dec.kv) == 1 and dec.kv[0][0].shape[0] == batch * n_attn
-    tokens = np.random.default_rng(0).integers(0, NARROW["vocab_size"], size=(STEP + 12, batch))  # crosses a capacity
+    assert dec.stacked and n_attn == 3 and len(dec.kv) == 1 and dec.kv[0][0].shape[0] == 2 * n_attn
+    tokens = np.random.default_rng(0).integers(0, NARROW["vocab_size"], size=(STEP + 12, 2))  # crosses a capacity
     worst = 0.0
     for t in tokens:
         x = mx.array(t[:, None])
@@ -193,18 +199,8 @@ def _stacked_equals_eager(batch: int = 2):
         if not model.layers[i].is_linear:
             n = c.offset
             assert n == eager[i].offset and mx.array_equal(c.keys[..., :n, :], eager[i].keys[..., :n, :]).item()
-    x = mx.array([[42], [7]][:batch])
+    x = mx.array([[42], [7]])
     assert float(mx.abs(model(x, cache=eager) - model(x, cache=fast)).max()) <= 1e-4
-
-
-def _marked_writes(monkeypatch) -> list:
-    """The shapes of the k_new arrays attn_chain marks as written into the cache in place (kv_write), as marked."""
-    from lily_mlx.ops import attn_decode
-
-    marked = []
-    real = attn_decode.mark_written
-    monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
-    return marked
 
 
 @pytest.mark.cuda
@@ -215,15 +211,12 @@ def test_kv_write_steps_equal_steps_without_it_cuda(monkeypatch, stacked):
     logits every step across a capacity growth and hold the same K/V rows, bit for bit; every attention launch of
     the traced step marks its rows written; the write-back hands the caller's cache those rows. (Against the eager
     model the chained steps agree to ~1e-5 only, kv_write or not: H100 run 72.)"""
-    from bench import random_model
-    from bench.step_dispatch import NARROW
-    from lily_mlx.config import ModelConfig
-    from lily_mlx.model import Model
+    from lily_mlx.ops import attn_decode
 
-    marked = _marked_writes(monkeypatch)
-    cfg = random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4, 64, "bfloat16")
-    model = Model(ModelConfig.from_dict(cfg))
-    mx.eval(model.parameters())
+    marked = []  # the shapes of the k_new arrays attn_chain marks as written into the cache in place
+    real = attn_decode.mark_written
+    monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
+    model = _narrow_model("bfloat16")
     rng = np.random.default_rng(1)
     cache = model.make_cache()
     model(mx.array(rng.integers(0, NARROW["vocab_size"], size=(1, 9))), cache=cache)
