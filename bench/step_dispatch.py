@@ -44,12 +44,14 @@ CONFIGS = {"unchained": (), "packed_weights": ("packed_weights",), "chains": CHA
            "chains+packed+bundled": SWITCHES}  # the CUDA defaults
 
 
-def layer_stack():
-    """The 35B-A3B layer stack at NARROW widths: 4-bit weights (8-bit router), bf16, projections fused."""
+def layer_stack(layers: int = 40):
+    """The 35B-A3B layer stack at NARROW widths, `layers` deep (one attention layer in four): 4-bit weights (8-bit
+    router), bf16, projections fused."""
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
 
-    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", NARROW, 0, 4, 64, "bfloat16"))
+    cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=layers), 0, 4, 64,
+                                                         "bfloat16"))
     model = Model(cfg)
     nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
     model.update(tree_map_with_path(

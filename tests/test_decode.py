@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import lily_mlx
-from bench.step_dispatch import NARROW
+from bench.step_dispatch import NARROW, layer_stack
 from lily_mlx import ops
 from lily_mlx.decode import STEP, CompiledDecoder
 
@@ -165,7 +165,7 @@ def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
 
 
 def _narrow_model(dtype: str):
-    """The 35B-A3B layer pattern at NARROW widths, 12 layers (three attention layers), random 4-bit weights."""
+    """The 35B-A3B layer pattern at NARROW widths, 12 layers (three attention layers), unquantized random weights."""
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
@@ -216,7 +216,7 @@ def test_kv_write_steps_equal_steps_without_it_cuda(monkeypatch, stacked):
     marked = []  # the shapes of the k_new arrays attn_chain marks as written into the cache in place
     real = attn_decode.mark_written
     monkeypatch.setattr(attn_decode, "mark_written", lambda k: marked.append(k.shape) or real(k))
-    model = _narrow_model("bfloat16")
+    model = layer_stack(12)  # quantized and fused, so the attention layers take attn_chain
     rng = np.random.default_rng(1)
     cache = model.make_cache()
     model(mx.array(rng.integers(0, NARROW["vocab_size"], size=(1, 9))), cache=cache)
