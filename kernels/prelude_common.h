@@ -93,6 +93,29 @@ LILY_INLINE float4 lily_float4(TP p, int i) {
   return LILY_F4(lily_float(p[i]), lily_float(p[i + 1]), lily_float(p[i + 2]), lily_float(p[i + 3]));
 }
 
+// Elements i .. i + 3 of p as loaded (V: decltype(lily_value(p[0]))), their loads issued here and not where they are
+// first used (lily_pin): a value wanted only past a barrier, loaded before a block's weights, comes back before them.
+template <typename V>
+struct lily_raw4 {
+  V v[4];
+};
+
+template <typename V, typename TP>
+LILY_INLINE lily_raw4<V> lily_load4(TP p, int i) {
+  lily_raw4<V> r;
+  LILY_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    r.v[j] = p[i + j];
+    lily_pin(r.v[j]);
+  }
+  return r;
+}
+
+template <typename V>
+LILY_INLINE float4 lily_float4_of(LILY_THREAD const lily_raw4<V>& r) {
+  return LILY_F4(lily_float(r.v[0]), lily_float(r.v[1]), lily_float(r.v[2]), lily_float(r.v[3]));
+}
+
 // A float4's sum of squares, in the order every staging that normalises takes it.
 LILY_INLINE float lily_sum_sq4(float4 v) {
   return LILY_FMA(v.w, v.w, LILY_FMA(v.z, v.z, LILY_FMA(v.y, v.y, v.x * v.x)));

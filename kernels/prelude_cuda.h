@@ -76,6 +76,12 @@ template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v
 template <> LILY_INLINE __half lily_cast<__half>(float v) { return __float2half_rn(v); }
 template <> LILY_INLINE __nv_bfloat16 lily_cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// A loaded value held as it is, its load issued here: NVCC otherwise sinks a load to its first use, and moved the
+// norm weight's past the staging's barrier, where it came back behind the block's weight burst (lily_load4).
+LILY_INLINE void lily_pin(float& v) { asm volatile("" : "+f"(v)); }
+LILY_INLINE void lily_pin(__half& v) { asm volatile("" : "+h"(*reinterpret_cast<unsigned short*>(&v))); }
+LILY_INLINE void lily_pin(__nv_bfloat16& v) { asm volatile("" : "+h"(*reinterpret_cast<unsigned short*>(&v))); }
+
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
 // Float math at full precision (the DeltaNet gates and norms).

@@ -42,6 +42,7 @@ LILY_INLINE float lily_float(half v) { return static_cast<float>(v); }
 LILY_INLINE float lily_float(bfloat16_t v) { return static_cast<float>(v); }
 
 template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
+template <typename V> LILY_INLINE void lily_pin(thread V&) {}  // prelude_cuda.h's: no such sinking to undo here
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
