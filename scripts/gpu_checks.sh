@@ -114,6 +114,12 @@ for plan in ${PLANS:-}; do
   step 60 120 "every chain on the GPU's timeline, LILY_MLX_PLAN=$plan" env LILY_MLX_PLAN="$plan" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_plan_${plan//[^A-Za-z0-9]/_}.json"
 done
+# DEFINES, space-separated $LILY_MLX_KERNEL_DEFINES values: the same under each (a kernel experiment's A/B in one tree,
+# e.g. DEFINES="LILY_NW_FIRST=1 LILY_SYNC_SLEEP_NS=0").
+for defines in ${DEFINES:-}; do
+  step 60 120 "every chain on the GPU's timeline, LILY_MLX_KERNEL_DEFINES=$defines" env LILY_MLX_KERNEL_DEFINES="$defines" \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_defines_${defines//[^A-Za-z0-9]/_}.json"
+done
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them. Early in the order: moe_chain
 # (45% of the step) did not move with x first (run 72), and its router phase's wait is the open question.
