@@ -149,6 +149,15 @@ def _instances() -> list[kernels.Instance]:
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
+# Under LILY_CHAIN_TRACE the records took 128 registers a lane (4 blocks an SM, so phase 1 ran in two waves) where the
+# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's.
+TRACE_REGISTERS = 96
+
+
+def _register_cap(template: dict) -> int:
+    return TRACE_REGISTERS if kernels.chain_trace_blocks() else 0
+
+
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="moe_chain", body="moe_chain.inc",
     input_names=("x", "nw", "wr", "sr", "br") + moe.GATE_UP_SPEC.input_names[3:] + moe.DOWN_SPEC.input_names[5:11]
@@ -157,7 +166,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a decode step's MoE block in one launch: router, routed and shared gate/up, down, combine, residual",
     instances=_instances, defines=("LILY_MOE_PACKED", "LILY_CHAIN"),
     weights=moe.ROUTER_WEIGHTS + moe.GATE_UP_WEIGHTS + moe.DOWN_WEIGHTS,
-    bundle=("nw", "wr", "wg", "wu", "swg", "swu", "wd", "swd"),
+    bundle=("nw", "wr", "wg", "wu", "swg", "swu", "wd", "swd"), cuda_max_registers=_register_cap,
 ))
 
 
