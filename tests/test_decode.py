@@ -164,20 +164,15 @@ def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
         _stacked_equals_eager()
 
 
-def _narrow_model(dtype: str):
-    """The 35B-A3B layer pattern at NARROW widths, 12 layers (three attention layers), unquantized random weights."""
+def _stacked_equals_eager():
     from bench import random_model
     from lily_mlx.config import ModelConfig
     from lily_mlx.model import Model
 
+    # The 35B-A3B layer pattern at NARROW widths, unquantized float32: 12 layers, three attention layers, three planes.
     model = Model(ModelConfig.from_dict(random_model.config_json("35b-a3b", dict(NARROW, num_hidden_layers=12), 0, 4,
-                                                                 64, dtype)))
+                                                                 64, "float32")))
     mx.eval(model.parameters())
-    return model
-
-
-def _stacked_equals_eager():
-    model = _narrow_model("float32")  # three attention layers, three planes
     prompt = mx.array(np.random.default_rng(1).integers(0, NARROW["vocab_size"], size=(2, 9)))
     eager, fast = model.make_cache(), model.make_cache()
     model(prompt, cache=eager)
