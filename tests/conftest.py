@@ -33,6 +33,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_metal)
 
 
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """set(name, value): one of the kernels' experiment variables ($LILY_MLX_KERNEL_DEFINES, $LILY_MLX_PLAN) set to
+    value (None: unset) for the rest of the test or until set again. lily_mlx.ops.kernels reads each once a process,
+    so both caches are cleared at every set and after the test."""
+    from lily_mlx.ops import kernels
+
+    def clear():
+        kernels.experiment_values.cache_clear()
+        kernels.plan_overrides.cache_clear()
+
+    def set_env(name: str, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        clear()
+
+    yield set_env
+    clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """The same tiny random model in every layout: hf, hf_sharded, per_expert, mlx (fp32), mlx_bf16, mlx_q4.

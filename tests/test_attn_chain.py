@@ -252,7 +252,7 @@ def test_dispatch_picks_the_variant_by_the_splits(monkeypatch):
                 assert "attn_chain" not in run(256)[0][0]
 
 
-def test_plan_override_sets_the_attention_phases_blocks(monkeypatch):
+def test_plan_override_sets_the_attention_phases_blocks(monkeypatch, kernel_env):
     """A long cache's attention phase splits into about ac.TARGET_BLOCKS blocks, or n under LILY_MLX_PLAN=
     attn_chain.BLOCKS=n (the grid and the partials follow); a short cache stays whole."""
     seen = []
@@ -272,15 +272,11 @@ def test_plan_override_sets_the_attention_phases_blocks(monkeypatch):
 
     default = splits(4096)
     assert default[0] == ac.TARGET_BLOCKS // 2 == ad.splits(1, 2, 4096, ac.TARGET_BLOCKS) == 128
-    try:
-        monkeypatch.setenv(kernels.PLAN_ENV, "attn_chain.BLOCKS=128")
-        kernels.plan_overrides.cache_clear()
-        ns, blocks = splits(4096)
-        assert ns == 64 and blocks == default[1] - 2 * (default[0] - 64)  # two kv heads, 64 splits each
-        assert splits(32)[0] == 1
-    finally:
-        monkeypatch.delenv(kernels.PLAN_ENV)
-        kernels.plan_overrides.cache_clear()
+    kernel_env(kernels.PLAN_ENV, "attn_chain.BLOCKS=128")
+    ns, blocks = splits(4096)
+    assert ns == 64 and blocks == default[1] - 2 * (default[0] - 64)  # two kv heads, 64 splits each
+    assert splits(32)[0] == 1
+    kernel_env(kernels.PLAN_ENV, None)
     assert splits(4096) == default
 
 

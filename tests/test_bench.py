@@ -517,12 +517,11 @@ def test_chain_trace_reads_the_blocks_records(base):
     assert ct.mean_of([got, later, ct.phases(rec[::-1])])["phases"][0]["last_block"] == 2  # the most frequent
 
 
-def test_chain_trace_needs_its_define(monkeypatch):
+def test_chain_trace_needs_its_define(kernel_env):
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
     from lily_mlx.ops import kernels
 
     ct = importlib.import_module(bench.__name__ + ".chain_trace")
-    monkeypatch.delenv(kernels.DEFINES_ENV, raising=False)
-    kernels.experiment_values.cache_clear()
+    kernel_env(kernels.DEFINES_ENV, None)
     with pytest.raises(SystemExit, match="LILY_CHAIN_TRACE=<blocks>"):
         ct.main(["--model", str(EMBEDDED_4BIT_MODEL), "--steps", "1"])

@@ -158,21 +158,16 @@ def test_sync_counters_are_each_launch_s_own_zeros(device):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
-def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
+def test_cuda_chains_compile_with_their_trace(tmp_path, kernel_env):
     """The chained kernels with bench/chain_trace.py's experiment define (LILY_CHAIN_TRACE) compile; their counters
     then have room for the records."""
     chains = [n for n, spec in kernels.SPECS.items()
               if kernels.records_trace(n) and not (spec.packed_from or spec.bundled_from)]
     assert {"moe_chain", "deltanet_chain", "deltanet_chain_out", "attn_chain", "attn_chain_long"} <= set(chains)
-    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CHAIN_TRACE=64")
-    kernels.experiment_values.cache_clear()
-    try:
-        assert kernels.sync_counters().shape == (kernels.SYNC_SLOTS + kernels.TRACE_FIELDS * 64,)
-        names = sorted(chains, key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
-        sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
-    finally:
-        monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_values.cache_clear()
+    kernel_env(kernels.DEFINES_ENV, "LILY_CHAIN_TRACE=64")
+    assert kernels.sync_counters().shape == (kernels.SYNC_SLOTS + kernels.TRACE_FIELDS * 64,)
+    names = sorted(chains, key=lambda n: bool(kernels.SPECS[n].cuda_launch_bounds))
+    sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
     assert all("lily_trace_record(sync, vb, phase" in src for src in sources)
     header = (kernels.kernel_dir() / "sync_cuda.h").read_text()
     assert f"#define LILY_SYNC_SLOTS {kernels.SYNC_SLOTS} " in header
@@ -182,47 +177,37 @@ def test_cuda_chains_compile_with_their_trace(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the CUDA compile check needs the CUDA toolkit")
-def test_cuda_code_lop3_experiment_compiles(tmp_path, monkeypatch):
+def test_cuda_code_lop3_experiment_compiles(tmp_path, kernel_env):
     """lily_qdot16's code-to-float as one lop3 (LILY_CODE_LOP3, 1 by the header's #ifndef) and as plain C++
     (LILY_CODE_LOP3=0, an experiment define) both compile in the kernels that decode codes."""
     names = ("qmv", "moe_gate_up_pw", "moe_down_combine", "moe_chain_pb")
     plain = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
     assert all("#define LILY_CODE_LOP3 1\n" in src and "#define LILY_CODE_LOP3 0" not in src for src in plain)
-    monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_CODE_LOP3=0")
-    kernels.experiment_values.cache_clear()
-    try:
-        sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
-    finally:
-        monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_values.cache_clear()
+    kernel_env(kernels.DEFINES_ENV, "LILY_CODE_LOP3=0")
+    sources = [kernels.full_source(kernels.SPECS[n], "cuda", kernels.SPECS[n].instances()[0])[1] for n in names]
     assert all("#define LILY_CODE_LOP3 0\n#" in src for src in sources) and sources != plain
     rc, log = _cuda_ptx(tmp_path, sources)
     assert rc == 0, f"the LILY_CODE_LOP3=0 kernels do not compile:\n{log}"
 
 
-def test_experiment_defines_reach_every_header(monkeypatch):
+def test_experiment_defines_reach_every_header(kernel_env):
     """$LILY_MLX_KERNEL_DEFINES puts its #defines before a kernel's header (before the #ifndef defaults), on both
     backends; anything but LILY_* NAME=one-token VALUE is refused with the variable named."""
     spec = kernels.SPECS["moe_chain"]
-    try:
-        monkeypatch.setenv(kernels.DEFINES_ENV, "LILY_SYNC_SLEEP_NS=512, LILY_X=-1")
-        kernels.experiment_values.cache_clear()
-        for backend in ("cuda", "metal"):
-            hdr = kernels.spec_header(spec, backend, kernels.body(spec, backend))
-            assert hdr.startswith("#define LILY_SYNC_SLEEP_NS 512\n#define LILY_X -1\n")
-        assert "__nanosleep(LILY_SYNC_SLEEP_NS)" in kernels.full_source(spec, "cuda", spec.instances()[0])[1]
-        for bad in ("LILY_SYNC_SLEEP_NS", "SLEEP=5", "LILY_A=1;2", "LILY_A=a b"):
-            monkeypatch.setenv(kernels.DEFINES_ENV, bad)
-            kernels.experiment_values.cache_clear()
-            with pytest.raises(ValueError, match=kernels.DEFINES_ENV):
-                kernels.experiment_values()
-    finally:
-        monkeypatch.delenv(kernels.DEFINES_ENV)
-        kernels.experiment_values.cache_clear()
+    kernel_env(kernels.DEFINES_ENV, "LILY_SYNC_SLEEP_NS=512, LILY_X=-1")
+    for backend in ("cuda", "metal"):
+        hdr = kernels.spec_header(spec, backend, kernels.body(spec, backend))
+        assert hdr.startswith("#define LILY_SYNC_SLEEP_NS 512\n#define LILY_X -1\n")
+    assert "__nanosleep(LILY_SYNC_SLEEP_NS)" in kernels.full_source(spec, "cuda", spec.instances()[0])[1]
+    for bad in ("LILY_SYNC_SLEEP_NS", "SLEEP=5", "LILY_A=1;2", "LILY_A=a b"):
+        kernel_env(kernels.DEFINES_ENV, bad)
+        with pytest.raises(ValueError, match=kernels.DEFINES_ENV):
+            kernels.experiment_values()
+    kernel_env(kernels.DEFINES_ENV, None)
     assert kernels.experiment_defines() == ""
 
 
-def test_plan_overrides_reach_the_planners_they_name(monkeypatch):
+def test_plan_overrides_reach_the_planners_they_name(kernel_env):
     """$LILY_MLX_PLAN sets a standalone kernel's rows a lane segment and warps a block where its planner chooses
     them (moe_chain's block following moe_gate_up's); a chained phase's fixed block is kept; anything else is
     refused with the variable named."""
@@ -234,27 +219,22 @@ def test_plan_overrides_reach_the_planners_they_name(monkeypatch):
     assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 4
     attn = qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn")
     chained = qmv.plan(1, 2048, 9216, 4, warps=16)
-    try:
-        monkeypatch.setenv(kernels.PLAN_ENV, "moe_gate_up.WARPS=8, qmv.RPS=2, moe_down_combine.WARPS=8")
-        kernels.plan_overrides.cache_clear()
-        p = moe.plan_gate_up(*shape)
-        assert (p["RPS"], p["WARPS"], p["blocks"]) == (2, 8, 288)
-        assert moe.plan_gate_up(*shape, rps=1, warps=4)["WARPS"] == 4  # given: kept
-        chain = moe_chain.plan(*shape[:5], 257, 4, 8)
-        assert chain["WARPS"] == 8 and chain["down"]["WARPS"] == 8  # the chain's down phase keeps the chain's block
-        assert moe.plan_down(*shape)["WARPS"] == 8 and moe.plan_down(*shape, warps=4)["WARPS"] == 4
-        assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 2 and qmv.plan(1, 2048, 9216, 4)["blocks"] == min(576, qmv.MAX_BLOCKS)
-        assert qmv.plan(1, 2048, 9216, 4, warps=16) == chained  # a chained phase's plan: its own
-        assert qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn") == attn  # not named: its own
-        for bad in ("moe_gate_up.WARPS", "moe_gate_up.LANES=4", "attn_chain.WARPS=4", "qmv.RPS=3", "qmv.WARPS=64",
-                    "qmv.RPS=0", "WARPS=4"):
-            monkeypatch.setenv(kernels.PLAN_ENV, bad)
-            kernels.plan_overrides.cache_clear()
-            with pytest.raises(ValueError, match=kernels.PLAN_ENV):
-                moe.plan_gate_up(*shape)
-    finally:
-        monkeypatch.delenv(kernels.PLAN_ENV)
-        kernels.plan_overrides.cache_clear()
+    kernel_env(kernels.PLAN_ENV, "moe_gate_up.WARPS=8, qmv.RPS=2, moe_down_combine.WARPS=8")
+    p = moe.plan_gate_up(*shape)
+    assert (p["RPS"], p["WARPS"], p["blocks"]) == (2, 8, 288)
+    assert moe.plan_gate_up(*shape, rps=1, warps=4)["WARPS"] == 4  # given: kept
+    chain = moe_chain.plan(*shape[:5], 257, 4, 8)
+    assert chain["WARPS"] == 8 and chain["down"]["WARPS"] == 8  # the chain's down phase keeps the chain's block
+    assert moe.plan_down(*shape)["WARPS"] == 8 and moe.plan_down(*shape, warps=4)["WARPS"] == 4
+    assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 2 and qmv.plan(1, 2048, 9216, 4)["blocks"] == min(576, qmv.MAX_BLOCKS)
+    assert qmv.plan(1, 2048, 9216, 4, warps=16) == chained  # a chained phase's plan: its own
+    assert qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn") == attn  # not named: its own
+    for bad in ("moe_gate_up.WARPS", "moe_gate_up.LANES=4", "attn_chain.WARPS=4", "qmv.RPS=3", "qmv.WARPS=64",
+                "qmv.RPS=0", "WARPS=4"):
+        kernel_env(kernels.PLAN_ENV, bad)
+        with pytest.raises(ValueError, match=kernels.PLAN_ENV):
+            moe.plan_gate_up(*shape)
+    kernel_env(kernels.PLAN_ENV, None)
     assert moe.plan_gate_up(*shape) == default
 
 

@@ -212,20 +212,15 @@ def test_decode_with_chain_prefetch_cuda():
     assert err == 0.0, f"decode logits with chain_prefetch: rel err {err:.2e}"
 
 
-def test_trace_build_keeps_the_default_registers(monkeypatch):
+def test_trace_build_keeps_the_default_registers(kernel_env):
     """Under LILY_CHAIN_TRACE moe_chain's CUDA build is capped at the registers the default build takes (96: 5
     blocks of 4 warps an SM), so the trace's waves are the default's (uncapped, its records took 128: 4 an SM);
     without the define, no cap."""
     inst = moe_chain.SPEC.instances()[0]
-    for defines, cap in (("LILY_CHAIN_TRACE=64", moe_chain.TRACE_REGISTERS), ("", 0)):
-        monkeypatch.setenv(kernels.DEFINES_ENV, defines)
-        kernels.experiment_values.cache_clear()
-        try:
-            assert kernels.register_cap(moe_chain.SPEC, inst.template) == cap
-            source = kernels.full_source(moe_chain.SPEC, "cuda", inst)[1]
-        finally:
-            kernels.experiment_values.cache_clear()
-        assert ("__maxnreg__(96)" in source) == bool(cap)
+    for defines, cap in (("LILY_CHAIN_TRACE=64", moe_chain.TRACE_REGISTERS), (None, 0)):
+        kernel_env(kernels.DEFINES_ENV, defines)
+        assert kernels.register_cap(moe_chain.SPEC, inst.template) == cap
+        assert ("__maxnreg__(96)" in kernels.full_source(moe_chain.SPEC, "cuda", inst)[1]) == bool(cap)
 
 
 @pytest.mark.metal
