@@ -108,17 +108,13 @@ step 100 ${AB_CAP:-240} "A/B against stock at 256 and 4096 (defaults, unchained)
   --markdown "$res/ab_decode.md"
 step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.gpu_timeline \
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
-# PLANS, space-separated $LILY_MLX_PLAN values: every chain's timeline under each, beside the defaults' above (a launch
-# shape's A/B without a new build; e.g. PLANS="moe_gate_up.RPS=4 moe_gate_up.RPS=4,moe_gate_up.WARPS=2").
-for plan in ${PLANS:-}; do
-  step 60 120 "every chain on the GPU's timeline, LILY_MLX_PLAN=$plan" env LILY_MLX_PLAN="$plan" \
-    python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_plan_${plan//[^A-Za-z0-9]/_}.json"
-done
-# DEFINES, space-separated $LILY_MLX_KERNEL_DEFINES values: the same under each (a kernel experiment's A/B in one tree,
-# e.g. DEFINES="LILY_NW_FIRST=1 LILY_SYNC_SLEEP_NS=0").
-for defines in ${DEFINES:-}; do
-  step 60 120 "every chain on the GPU's timeline, LILY_MLX_KERNEL_DEFINES=$defines" env LILY_MLX_KERNEL_DEFINES="$defines" \
-    python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --json "$res/timeline_defines_${defines//[^A-Za-z0-9]/_}.json"
+# PLANS and DEFINES, space-separated $LILY_MLX_PLAN and $LILY_MLX_KERNEL_DEFINES values: every chain's timeline under
+# each, beside the defaults' above (a launch shape's or a kernel experiment's A/B in one tree, e.g.
+# PLANS="moe_gate_up.RPS=4" DEFINES="LILY_NW_FIRST=1 LILY_SYNC_SLEEP_NS=0").
+for variant in ${PLANS:+$(printf 'LILY_MLX_PLAN=%s ' $PLANS)} \
+               ${DEFINES:+$(printf 'LILY_MLX_KERNEL_DEFINES=%s ' $DEFINES)}; do
+  step 60 120 "every chain on the GPU's timeline, $variant" env "$variant" python3 -m bench.gpu_timeline \
+    --model "$model" --context 64 4096 --json "$res/timeline_${variant//[^A-Za-z0-9]/_}.json"
 done
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them. Early in the order: moe_chain
