@@ -41,8 +41,8 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "", "LILY_SYNC_SLEEP_NS=0"),
-    ("", "moe_gate_up.RPS=4,moe_gate_up.WARPS=2", ""),
+    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "", "LILY_DN_PRELOAD=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096,LILY_DN_PRELOAD=1"),
 ]
 CONTEXTS = (64, 4096)
 
