@@ -377,6 +377,34 @@ LILY_INLINE float lily_warp_max(float v) {
   return v;
 }
 
+// attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
+// rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS
+// 0) where one row of each does not fit there.
+template <typename TC, int D, int REP>
+struct lily_kv_stage {
+  static constexpr int DIM = D;
+  static constexpr int ROW_WORDS = D * static_cast<int>(sizeof(TC)) / 16;
+  static constexpr int FIT = 2 * REP / static_cast<int>(sizeof(TC));
+  static constexpr int ROWS = FIT > 16 ? 16 : FIT;
+  static constexpr int WORDS = 2 * ROWS * ROW_WORDS;
+  static constexpr int NT = 32 * REP;
+  static constexpr int WPT = WORDS > 0 ? (WORDS + NT - 1) / NT : 1;
+  static_assert(D * sizeof(TC) % 16 == 0, "lily_kv_stage: a cache row must be whole 16-byte words");
+};
+
+// This thread's words of the stage of rows [p, p + ROWS) (KVS: a lily_kv_stage), loads only: they are used later.
+template <typename KVS, typename TP>
+LILY_INLINE void lily_kv_stage_load(TP keys, TP values, int64_t row0, int p, int tid, LILY_THREAD uint4* wv) {
+  LILY_UNROLL
+  for (int k = 0; k < KVS::WPT; ++k) {
+    const int wi = k * KVS::NT + tid;
+    const int r = wi / KVS::ROW_WORDS;  // K rows first
+    const bool key = r < KVS::ROWS;
+    const int64_t at = row0 + static_cast<int64_t>(p + (key ? r : r - KVS::ROWS)) * KVS::DIM;
+    if (wi < KVS::WORDS) wv[k] = LILY_LDG_U4((key ? keys : values) + at, wi - r * KVS::ROW_WORDS);
+  }
+}
+
 // An argmax candidate (value v, index i) against the best so far: the larger value wins, a tie goes to the smaller
 // index (the first maximum, as MLX's argmax), a NaN never wins.
 template <typename I>
