@@ -379,7 +379,7 @@ LILY_INLINE float lily_warp_max(float v) {
 
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS
-// 0) where one row of each does not fit there.
+// 0) where one row of each does not fit there, or REP is 0.
 template <typename TC, int D, int REP>
 struct lily_kv_stage {
   static constexpr int DIM = D;
