@@ -377,6 +377,13 @@ LILY_INLINE float lily_warp_max(float v) {
   return v;
 }
 
+// LILY_OUT_EARLY (an experiment constant, 0 by default until a GPU has timed it): a chain's output projection
+// (deltanet_chain_out's phase 2, attn_chain_long's last) issues its weight loads before it waits for its x, the
+// phase before's output (qmv.inc's LILY_QMV_BEFORE_STAGE with QMV_X_WAITS).
+#if !defined(LILY_OUT_EARLY)
+#define LILY_OUT_EARLY 0
+#endif
+
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS
 // 0) where one row of each does not fit there, or REP is 0.
