@@ -105,9 +105,12 @@ def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=Fals
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_matches_reference(tmp_path):
+@pytest.mark.parametrize("defines", [None, "LILY_OUT_EARLY=1,LILY_ATTN_STAGE=1"], ids=["defaults", "experiments"])
+def test_chain_emulated_matches_reference(tmp_path, kernel_env, defines):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same."""
+    whose weights pack also with packed weights, bit for bit the same. Also under the experiments not yet the path
+    (prelude_common.h's LILY_OUT_EARLY, attn_decode.inc's LILY_ATTN_STAGE), so they stay right until a GPU times them."""
+    kernel_env(kernels.DEFINES_ENV, defines)
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and one planned
     # for a GPU of 2 SMs (the projection's 288 one-warp blocks fitted to one wave: 9 rows a lane segment, not 1).

@@ -133,7 +133,9 @@ EMULATED = [
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 @pytest.mark.parametrize("wide", [False, True], ids=["strided-lanes", "wide"])
-def test_metal_emulated_matches_reference(tmp_path, wide):
+@pytest.mark.parametrize("defines", [None, "LILY_ATTN_STAGE=1"], ids=["defaults", "staged"])
+def test_metal_emulated_matches_reference(tmp_path, kernel_env, wide, defines):
+    kernel_env(kernels.DEFINES_ENV, defines)  # LILY_ATTN_STAGE: an experiment, right until a GPU times it
     emu, splits = Emulator(tmp_path / "a"), []
     (tmp_path / "a").mkdir()
     for c, case in enumerate(EMULATED):
