@@ -377,6 +377,15 @@ LILY_INLINE float lily_warp_max(float v) {
   return v;
 }
 
+// A chained kernel's block waits until `count` blocks have arrived at counter `slot` (the phase before): thread 0
+// polls, then the whole block passes a barrier that orders the reads after it.
+#define LILY_PHASE_WAIT(sync, slot, count) \
+  if (lily_tid == 0) {                     \
+    lily_sync_wait(sync, slot, count);     \
+    LILY_TRACE_WAITED();                   \
+  }                                        \
+  LILY_DEVICE_BARRIER();
+
 // LILY_OUT_EARLY (an experiment constant, 0 by default until a GPU has timed it): a chain's output projection
 // (deltanet_chain_out's phase 2, attn_chain_long's last) issues its weight loads before it waits for its x, the
 // phase before's output (qmv.inc's LILY_QMV_BEFORE_STAGE with QMV_X_WAITS).
