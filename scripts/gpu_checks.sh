@@ -110,11 +110,12 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
 # PLANS and DEFINES, space-separated $LILY_MLX_PLAN and $LILY_MLX_KERNEL_DEFINES values: every chain's timeline under
 # each, beside the defaults' above (a launch shape's or a kernel experiment's A/B in one tree, e.g.
-# PLANS="attn_chain.BLOCKS=512" DEFINES="LILY_OUT_EARLY=1 LILY_ATTN_STAGE=1 LILY_DN_PRELOAD=1").
+# PLANS="attn_chain.BLOCKS=512" DEFINES="LILY_OUT_EARLY=1 LILY_ATTN_STAGE=1 LILY_DN_PRELOAD=1"), at the contexts
+# VARIANT_CONTEXTS (default 64 4096; a context more costs a variant ~10 s, a process more ~40).
 for variant in ${PLANS:+$(printf 'LILY_MLX_PLAN=%s ' $PLANS)} \
                ${DEFINES:+$(printf 'LILY_MLX_KERNEL_DEFINES=%s ' $DEFINES)}; do
   step 60 120 "every chain on the GPU's timeline, $variant" env "$variant" python3 -m bench.gpu_timeline \
-    --model "$model" --context 64 4096 --json "$res/timeline_${variant//[^A-Za-z0-9]/_}.json"
+    --model "$model" --context ${VARIANT_CONTEXTS:-64 4096} --json "$res/timeline_${variant//[^A-Za-z0-9]/_}.json"
 done
 # Where inside a chain: each block's SM, phase, ticket, wait, mark (x' staged or loads issued) and end by %globaltimer
 # (bench/chain_trace.py), in the compiled decoder's steps as generate runs them. Early in the order: moe_chain
