@@ -87,9 +87,12 @@ LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float
 template <typename V>
 LILY_INLINE V lily_value(V v) { return v; }
 
-// Elements i .. i + 3 of p as floats.
+// Elements i .. i + 3 of p as floats: one load where the backend has a wide one and the address is aligned for it
+// (lily_float4_wide), else four.
 template <typename TP>
 LILY_INLINE float4 lily_float4(TP p, int i) {
+  float4 v;
+  if (lily_float4_wide(p + i, v)) return v;
   return LILY_F4(lily_float(p[i]), lily_float(p[i + 1]), lily_float(p[i + 2]), lily_float(p[i + 3]));
 }
 

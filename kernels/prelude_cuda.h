@@ -72,6 +72,36 @@ LILY_INLINE float lily_float(float v) { return v; }
 LILY_INLINE float lily_float(__half v) { return __half2float(v); }
 LILY_INLINE float lily_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+// Four consecutive elements at p in one 8- or 16-byte load when p is aligned for it (false: the caller loads four).
+// NVRTC cannot prove an input's alignment, so it loads a bf16 row element by element: four requests to each 8 bytes,
+// from every block that stages the same row. Plain loads, not __ldg: a chain's later phase reads its earlier one's.
+template <typename TP>
+LILY_INLINE bool lily_float4_wide(TP, float4&) { return false; }
+LILY_INLINE bool lily_float4_wide(const float* p, float4& v) {
+  if (reinterpret_cast<uintptr_t>(p) & 15) return false;
+  v = *reinterpret_cast<const float4*>(p);
+  return true;
+}
+LILY_INLINE bool lily_float4_wide(const __nv_bfloat16* p, float4& v) {
+  if (reinterpret_cast<uintptr_t>(p) & 7) return false;
+  const uint2 u = *reinterpret_cast<const uint2*>(p);  // bf16 is a float's top half
+  v = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                  __uint_as_float(u.y & 0xffff0000u));
+  return true;
+}
+LILY_INLINE bool lily_float4_wide(const __half* p, float4& v) {
+  if (reinterpret_cast<uintptr_t>(p) & 7) return false;
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  v = make_float4(a.x, a.y, b.x, b.y);
+  return true;
+}
+template <typename E>
+LILY_INLINE bool lily_float4_wide(E* p, float4& v) {  // an output read back (a chain's packed h): as its const
+  return lily_float4_wide(const_cast<const E*>(p), v);
+}
+
 template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
 template <> LILY_INLINE __half lily_cast<__half>(float v) { return __float2half_rn(v); }
 template <> LILY_INLINE __nv_bfloat16 lily_cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
