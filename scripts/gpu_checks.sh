@@ -7,7 +7,7 @@
 # Output: log.txt (every step's output) and reports.tgz (the JSON reports, the junit file, the decode profile).
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
 #   TESTS="tests/test_parity_cuda.py tests/test_decode.py" bash scripts/gpu_checks.sh
-# TESTS_CAP (seconds, default 200) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B";
+# TESTS_CAP (seconds; default 200 with TESTS, 300 for the whole set) bounds that step. SKIP, a bash regex, skips the steps whose names match it, e.g. SKIP="server|A/B";
 # ONLY runs just the steps whose names match it.
 # MLX keeps what NVRTC compiled of its own kernels in MLX_PTX_CACHE_DIR, and reads ours there but never writes them
 # (ops/kernel_cache.py writes them when `kernel_cache` is on). The cache comes back as $OUT/ptx.tar.xz (at most
@@ -75,7 +75,7 @@ if [ -n "${TESTS:-}" ]; then
   step 90 ${TESTS_CAP:-200} "tests on the GPU" python3 -m pytest -q -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" $TESTS
 else
   # The whole cuda-marked suite took longer than 185 s in run 14 (77% done): most of it is compiling instances.
-  step 150 300 "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" \
+  step 150 ${TESTS_CAP:-300} "cuda tests" python3 -m pytest -q -m cuda -n 12 -p no:cacheprovider --junitxml="$res/tests.xml" \
     --ignore=tests/test_notebooks.py
 fi
 wait
