@@ -106,6 +106,7 @@ struct lily_raw4 {
 template <typename V, typename TP>
 LILY_INLINE lily_raw4<V> lily_load4(TP p, int i) {
   lily_raw4<V> r;
+  if (lily_load4_wide(p + i, r)) return r;
   LILY_UNROLL
   for (int j = 0; j < 4; ++j) {
     r.v[j] = p[i + j];
