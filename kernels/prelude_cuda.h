@@ -75,22 +75,26 @@ LILY_INLINE float lily_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 // Four consecutive elements at p in one 8- or 16-byte load when p is aligned for it (false: the caller loads four).
 // NVRTC cannot prove an input's alignment, so it loads a bf16 row element by element: four requests to each 8 bytes,
 // from every block that stages the same row. Plain loads, not __ldg: a chain's later phase reads its earlier one's.
+// LILY_WIDE_LOADS=0 (an experiment define while no GPU has timed them) keeps the four loads.
+#ifndef LILY_WIDE_LOADS
+#define LILY_WIDE_LOADS 1
+#endif
 template <typename TP>
 LILY_INLINE bool lily_float4_wide(TP, float4&) { return false; }
 LILY_INLINE bool lily_float4_wide(const float* p, float4& v) {
-  if (reinterpret_cast<uintptr_t>(p) & 15) return false;
+  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 15)) return false;
   v = *reinterpret_cast<const float4*>(p);
   return true;
 }
 LILY_INLINE bool lily_float4_wide(const __nv_bfloat16* p, float4& v) {
-  if (reinterpret_cast<uintptr_t>(p) & 7) return false;
+  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
   const uint2 u = *reinterpret_cast<const uint2*>(p);  // bf16 is a float's top half
   v = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
                   __uint_as_float(u.y & 0xffff0000u));
   return true;
 }
 LILY_INLINE bool lily_float4_wide(const __half* p, float4& v) {
-  if (reinterpret_cast<uintptr_t>(p) & 7) return false;
+  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
   const uint2 u = *reinterpret_cast<const uint2*>(p);
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
   const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
@@ -107,7 +111,7 @@ template <typename TP, typename R>
 LILY_INLINE bool lily_load4_wide(TP, R&) { return false; }
 template <typename R>
 LILY_INLINE bool lily_load4_wide(const __nv_bfloat16* p, R& r) {
-  if (reinterpret_cast<uintptr_t>(p) & 7) return false;
+  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
   uint2 u = *reinterpret_cast<const uint2*>(p);
   asm volatile("" : "+r"(u.x), "+r"(u.y));  // lily_pin's: NVCC would sink the load to the first use
   r.v[0] = __ushort_as_bfloat16(static_cast<unsigned short>(u.x));
