@@ -75,9 +75,9 @@ LILY_INLINE float lily_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 // Four consecutive elements at p in one 8- or 16-byte load when p is aligned for it (false: the caller loads four).
 // NVRTC cannot prove an input's alignment, so it loads a bf16 row element by element: four requests to each 8 bytes,
 // from every block that stages the same row. Plain loads, not __ldg: a chain's later phase reads its earlier one's.
-// LILY_WIDE_LOADS=0 (an experiment define while no GPU has timed them) keeps the four loads.
+// LILY_WIDE_LOADS=1 takes them: an experiment define, 0 by default, until a GPU has run and timed them.
 #ifndef LILY_WIDE_LOADS
-#define LILY_WIDE_LOADS 1
+#define LILY_WIDE_LOADS 0
 #endif
 template <typename TP>
 LILY_INLINE bool lily_float4_wide(TP, float4&) { return false; }

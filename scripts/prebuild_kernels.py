@@ -43,7 +43,7 @@ CONFIGS = [
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "", "LILY_DN_PRELOAD=1"),
     ("", "", "LILY_OUT_EARLY=1"), ("", "", "LILY_ATTN_STAGE=1"),
-    ("", "", "LILY_OUT_EARLY=1,LILY_ATTN_STAGE=1,LILY_DN_PRELOAD=1"), ("", "", "LILY_WIDE_LOADS=0"),
+    ("", "", "LILY_OUT_EARLY=1,LILY_ATTN_STAGE=1,LILY_DN_PRELOAD=1"), ("", "", "LILY_WIDE_LOADS=1"),
 ]
 CONTEXTS = (64, 4096)
 

@@ -109,8 +109,8 @@ def test_many_rows_dense_dequant_gemm_cuda(dt):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16, mx.float16])
 def test_wide_loads_equal_element_loads_cuda(kernel_env, dt):
-    """CUDA loads four activations (and norm weights) at once where the address is aligned for it
-    (prelude_cuda.h's lily_float4_wide): the same bits as four loads (LILY_WIDE_LOADS=0), for inputs at an aligned
+    """With LILY_WIDE_LOADS=1 CUDA loads four activations (and norm weights) at once where the address is aligned for
+    it (prelude_cuda.h's lily_float4_wide): the same bits as four loads (the default), for inputs at an aligned
     address and one element past it (a view into a larger array, which takes the four loads)."""
     from lily_mlx.ops import kernels
 
@@ -121,7 +121,7 @@ def test_wide_loads_equal_element_loads_cuda(kernel_env, dt):
         x = flat[off:off + M * K].reshape(M, K)
         nw = flat[M * K + off:M * K + off + K]
         runs = []
-        for value in (None, "LILY_WIDE_LOADS=0"):
+        for value in ("LILY_WIDE_LOADS=1", None):
             kernel_env(kernels.DEFINES_ENV, value)
             y = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda", norm=(nw, 1e-6), init_value=float("nan"))
             assert y is not None
