@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 import lily_mlx.ops as ops
-from lily_mlx.ops import qmv, reference
+from lily_mlx.ops import kernels, qmv, reference
 
 # (M, K as a multiple of the group or 2048, N): N=1 (shared-expert gate), odd N, N just past 8192.
 SHAPES = [(1, "4g", 1), (3, 2048, 33), (8, 2048, 7), (1, 2048, 8200), (3, "4g", 8200)]
@@ -111,9 +111,8 @@ def test_many_rows_dense_dequant_gemm_cuda(dt):
 def test_wide_loads_equal_element_loads_cuda(kernel_env, dt):
     """With LILY_WIDE_LOADS=1 CUDA loads four activations (and norm weights) at once where the address is aligned for
     it (prelude_cuda.h's lily_float4_wide): the same bits as four loads (the default), for inputs at an aligned
-    address and one element past it (a view into a larger array, which takes the four loads)."""
-    from lily_mlx.ops import kernels
-
+    address and one element past it (views into a larger array: where MLX passes a view in place, the misaligned one
+    takes the four loads)."""
     M, K, N = 3, 2048, 37
     _, w, s, b = _inputs(M, K, N, 4, 64, dt, 8)
     flat = (3 * mx.random.normal((M * K + K + 1,), key=mx.random.key(9))).astype(dt)
