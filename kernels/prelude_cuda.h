@@ -106,18 +106,19 @@ LILY_INLINE bool lily_float4_wide(E* p, float4& v) {  // an output read back (a 
   return lily_float4_wide(const_cast<const E*>(p), v);
 }
 
-// lily_load4's one wide load (as lily_float4_wide): four 16-bit elements as loaded into r.v, the load issued here.
+// lily_load4's one wide load (as lily_float4_wide): four 16-bit elements (bf16, fp16) as loaded into r.v, the load
+// issued here.
 template <typename TP, typename R>
 LILY_INLINE bool lily_load4_wide(TP, R&) { return false; }
-template <typename R>
-LILY_INLINE bool lily_load4_wide(const __nv_bfloat16* p, R& r) {
-  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
+template <typename E, typename R>
+LILY_INLINE bool lily_load4_wide(const E* p, R& r) {
+  if (sizeof(E) != 2 || !LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
   uint2 u = *reinterpret_cast<const uint2*>(p);
   asm volatile("" : "+r"(u.x), "+r"(u.y));  // lily_pin's: NVCC would sink the load to the first use
-  r.v[0] = __ushort_as_bfloat16(static_cast<unsigned short>(u.x));
-  r.v[1] = __ushort_as_bfloat16(static_cast<unsigned short>(u.x >> 16));
-  r.v[2] = __ushort_as_bfloat16(static_cast<unsigned short>(u.y));
-  r.v[3] = __ushort_as_bfloat16(static_cast<unsigned short>(u.y >> 16));
+  const unsigned short h[4] = {static_cast<unsigned short>(u.x), static_cast<unsigned short>(u.x >> 16),
+                               static_cast<unsigned short>(u.y), static_cast<unsigned short>(u.y >> 16)};
+  LILY_UNROLL
+  for (int j = 0; j < 4; ++j) r.v[j] = *reinterpret_cast<const E*>(&h[j]);
   return true;
 }
 
