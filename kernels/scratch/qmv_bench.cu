@@ -2,7 +2,7 @@
 // promoted ../qmv.inc) wrapped in the signature MLX's cuda_kernel writes, checked against a float64
 // host reference with NaN-poisoned outputs, then timed with CUDA events over graph replays that
 // rotate through enough weight copies to defeat the 60 MB L2. Prints one markdown row per run.
-// Build: nvcc -std=c++17 -O3 -arch=sm_90a -o qmv_bench qmv_bench.cu   (see run.sh)
+// Build: nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o qmv_bench qmv_bench.cu   (see run.sh)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -16,6 +16,14 @@
 #include <vector>
 
 #include "../prelude_cuda.h"
+#include "../prelude_common.h"
+
+// v7: two 4-bit codes (bits 0-3 and 16-19 of u) as the bf16 pair 128 + q, one LOP3 with the constant in a register.
+__device__ __forceinline__ uint32_t lily_code_pair(uint32_t u) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(u), "n"(0x000F000Fu), "r"(0x43004300u));  // (a & b) | c
+  return r;
+}
 
 #define CK(call)                                                                            \
   do {                                                                                      \
@@ -53,10 +61,21 @@ template <QMV_TPARAMS> __global__ void qmv_v3(QMV_ARGS) {
 #include "../entry_cuda.inc"
 #include "qmv_v3.inc"
 }
-template <QMV_TPARAMS> __global__ void qmv_v4(QMV_ARGS) {  // the promoted body
+template <QMV_TPARAMS> __global__ void qmv_v4(QMV_ARGS) {  // the promoted body, no norm or residual
   QMV_CONSTS
+  constexpr bool NORM = false, RES = false;
+  constexpr uint32_t EPS_BITS = 0;
+  const T* nw = x;
+  const T* res = x;
+  const int x_ndim = 2;
+  const int32_t x_shape[2] = {M, K};
 #include "../entry_cuda.inc"
 #include "../qmv.inc"
+}
+template <QMV_TPARAMS> __global__ void qmv_v7(QMV_ARGS) {
+  QMV_CONSTS
+#include "../entry_cuda.inc"
+#include "qmv_v7.inc"
 }
 template <QMV_TPARAMS> __global__ void qmv_v5(QMV_ARGS) {
   QMV_CONSTS
@@ -224,6 +243,15 @@ static void run_v(const char* variant, KernelFn fn, Problem& p, int cap) {
   run(variant, cfg, fn, p, blocks, 32 * WARPS);
 }
 
+// v7's shape: 16-row tiles (RPS a warp), its WARPS splitting K.
+template <int BITS, int GS, int M, int K, int RPS, int WARPS>
+static void run_v7(KernelFn fn, Problem& p, int cap) {
+  const int blocks = std::min(cdiv(p.N, 16 * RPS), cap);
+  char cfg[96];
+  std::snprintf(cfg, sizeof cfg, "T16x%d KS%d cap%d", RPS, WARPS, cap);
+  run("v7", cfg, fn, p, blocks, 32 * WARPS);
+}
+
 #define V(name, B, G, MM, KK, L, R, W) \
   (KernelFn) qmv_##name<bf16, B, G, MM, KK, L, R, W>
 
@@ -289,56 +317,117 @@ int main() {
     all_variants<4, 64, 1, 2048, 32, 4, 8>(p, ALL);
     free_problem(p);
   }
+  if (std::getenv("QMV_ROUND2")) {  // round 2 (NOTES.md): v3..v6
+    {
+      Problem p = make_problem(1, 2048, 8192, 4, 64, rng);
+      RV(v3, 4, 64, 1, 2048, 32, 4, 8, ALL);
+      RV(v4, 4, 64, 1, 2048, 32, 4, 8, ALL);
+      RV(v5, 4, 64, 1, 2048, 32, 4, 8, ALL);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 8, 132);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
+      RV(v6, 4, 64, 1, 2048, 32, 2, 8, 264);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 4, 264);
+      RV(v6, 4, 64, 1, 2048, 32, 2, 4, 396);
+      free_problem(p);
+    }
+    {
+      Problem p = make_problem(1, 2048, 248320, 4, 64, rng);
+      RV(v4, 4, 64, 1, 2048, 32, 4, 8, 528);
+      RV(v4, 4, 64, 1, 2048, 32, 4, 4, 1056);
+      RV(v5, 4, 64, 1, 2048, 32, 4, 8, 528);
+      RV(v5, 4, 64, 1, 2048, 32, 4, 4, 1056);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 8, 528);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 4, 528);
+      RV(v6, 4, 64, 1, 2048, 32, 4, 4, 1056);
+      RV(v6, 4, 64, 1, 2048, 32, 2, 4, 1056);
+      free_problem(p);
+    }
+    {
+      Problem p = make_problem(1, 4096, 2048, 4, 64, rng);
+      RV(v4, 4, 64, 1, 4096, 32, 1, 8, ALL);
+      RV(v5, 4, 64, 1, 4096, 32, 1, 8, ALL);
+      RV(v6, 4, 64, 1, 4096, 32, 1, 8, 132);
+      RV(v6, 4, 64, 1, 4096, 32, 1, 4, 264);
+      free_problem(p);
+    }
+    {
+      Problem p = make_problem(1, 512, 2048, 4, 64, rng);
+      RV(v4, 4, 64, 1, 512, 16, 1, 4, ALL);
+      RV(v5, 4, 64, 1, 512, 16, 1, 4, ALL);
+      free_problem(p);
+    }
+    {
+      Problem p = make_problem(1, 2048, 512, 4, 64, rng);
+      RV(v4, 4, 64, 1, 2048, 32, 1, 4, ALL);
+      RV(v5, 4, 64, 1, 2048, 32, 1, 4, ALL);
+      RV(v5, 4, 64, 1, 2048, 32, 1, 2, ALL);
+      free_problem(p);
+    }
+    {
+      Problem p = make_problem(1, 2048, 1, 8, 64, rng);
+      RV(v4, 8, 64, 1, 2048, 32, 1, 2, ALL);
+      RV(v5, 8, 64, 1, 2048, 32, 1, 2, ALL);
+      free_problem(p);
+    }
+  }
+  // Round 3: v4 (the promoted body, plan()'s shape) against v7 (tensor cores) at the 35B decode shapes.
+#define R7(B, G, MM, KK, R, W, cap) run_v7<B, G, MM, KK, R, W>(V(v7, B, G, MM, KK, 4, R, W), p, cap)
   {
     Problem p = make_problem(1, 2048, 8192, 4, 64, rng);
-    RV(v3, 4, 64, 1, 2048, 32, 4, 8, ALL);
     RV(v4, 4, 64, 1, 2048, 32, 4, 8, ALL);
-    RV(v5, 4, 64, 1, 2048, 32, 4, 8, ALL);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 132);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
-    RV(v6, 4, 64, 1, 2048, 32, 2, 8, 264);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 264);
-    RV(v6, 4, 64, 1, 2048, 32, 2, 4, 396);
+    R7(4, 64, 1, 2048, 1, 4, ALL);
+    R7(4, 64, 1, 2048, 2, 4, ALL);
+    R7(4, 64, 1, 2048, 1, 8, ALL);
+    R7(4, 64, 1, 2048, 1, 2, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 2048, 12352, 4, 64, rng);
+    RV(v4, 4, 64, 1, 2048, 32, 4, 8, ALL);
+    R7(4, 64, 1, 2048, 1, 4, ALL);
+    R7(4, 64, 1, 2048, 2, 4, ALL);
+    R7(4, 64, 1, 2048, 1, 8, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 4096, 2048, 4, 64, rng);
+    RV(v4, 4, 64, 1, 4096, 32, 1, 8, ALL);
+    R7(4, 64, 1, 4096, 1, 4, ALL);
+    R7(4, 64, 1, 4096, 1, 8, ALL);
+    R7(4, 64, 1, 4096, 1, 16, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 2048, 512, 4, 64, rng);
+    RV(v4, 4, 64, 1, 2048, 32, 1, 4, ALL);
+    R7(4, 64, 1, 2048, 1, 4, ALL);
+    R7(4, 64, 1, 2048, 1, 8, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 512, 2048, 4, 64, rng);
+    RV(v4, 4, 64, 1, 512, 16, 1, 4, ALL);
+    R7(4, 64, 1, 512, 1, 4, ALL);
+    R7(4, 64, 1, 512, 1, 2, ALL);
+    free_problem(p);
+  }
+  {
+    Problem p = make_problem(1, 2048, 8192, 4, 32, rng);
+    R7(4, 32, 1, 2048, 1, 4, ALL);
+    free_problem(p);
+    p = make_problem(1, 2048, 8192, 4, 128, rng);
+    R7(4, 128, 1, 2048, 1, 4, ALL);
     free_problem(p);
   }
   {
     Problem p = make_problem(1, 2048, 248320, 4, 64, rng);
     RV(v4, 4, 64, 1, 2048, 32, 4, 8, 528);
     RV(v4, 4, 64, 1, 2048, 32, 4, 4, 1056);
-    RV(v5, 4, 64, 1, 2048, 32, 4, 8, 528);
-    RV(v5, 4, 64, 1, 2048, 32, 4, 4, 1056);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 264);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 8, 528);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 528);
-    RV(v6, 4, 64, 1, 2048, 32, 4, 4, 1056);
-    RV(v6, 4, 64, 1, 2048, 32, 2, 4, 1056);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 4096, 2048, 4, 64, rng);
-    RV(v4, 4, 64, 1, 4096, 32, 1, 8, ALL);
-    RV(v5, 4, 64, 1, 4096, 32, 1, 8, ALL);
-    RV(v6, 4, 64, 1, 4096, 32, 1, 8, 132);
-    RV(v6, 4, 64, 1, 4096, 32, 1, 4, 264);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 512, 2048, 4, 64, rng);
-    RV(v4, 4, 64, 1, 512, 16, 1, 4, ALL);
-    RV(v5, 4, 64, 1, 512, 16, 1, 4, ALL);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 2048, 512, 4, 64, rng);
-    RV(v4, 4, 64, 1, 2048, 32, 1, 4, ALL);
-    RV(v5, 4, 64, 1, 2048, 32, 1, 4, ALL);
-    RV(v5, 4, 64, 1, 2048, 32, 1, 2, ALL);
-    free_problem(p);
-  }
-  {
-    Problem p = make_problem(1, 2048, 1, 8, 64, rng);
-    RV(v4, 8, 64, 1, 2048, 32, 1, 2, ALL);
-    RV(v5, 8, 64, 1, 2048, 32, 1, 2, ALL);
+    R7(4, 64, 1, 2048, 1, 4, 528);
+    R7(4, 64, 1, 2048, 1, 4, 1056);
+    R7(4, 64, 1, 2048, 2, 4, 528);
+    R7(4, 64, 1, 2048, 1, 8, 528);
     free_problem(p);
   }
   return 0;
