@@ -430,5 +430,18 @@ int main() {
     R7(4, 64, 1, 2048, 1, 8, 528);
     free_problem(p);
   }
+  {  // rows of x: v7's MMAs are the same for M <= 8 (B's columns)
+    Problem p = make_problem(2, 2048, 8192, 4, 64, rng);
+    RV(v4, 4, 64, 2, 2048, 32, 4, 8, ALL);
+    R7(4, 64, 2, 2048, 1, 4, ALL);
+    free_problem(p);
+    p = make_problem(4, 2048, 8192, 4, 64, rng);
+    RV(v4, 4, 64, 4, 2048, 32, 2, 8, ALL);
+    R7(4, 64, 4, 2048, 1, 4, ALL);
+    free_problem(p);
+    p = make_problem(8, 2048, 8192, 4, 64, rng);
+    R7(4, 64, 8, 2048, 1, 4, ALL);
+    free_problem(p);
+  }
   return 0;
 }
