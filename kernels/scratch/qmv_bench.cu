@@ -77,6 +77,11 @@ template <QMV_TPARAMS> __global__ void qmv_v7(QMV_ARGS) {
 #include "../entry_cuda.inc"
 #include "qmv_v7.inc"
 }
+template <QMV_TPARAMS> __global__ void qmv_v8(QMV_ARGS) {
+  QMV_CONSTS
+#include "../entry_cuda.inc"
+#include "qmv_v8.inc"
+}
 template <QMV_TPARAMS> __global__ void qmv_v5(QMV_ARGS) {
   QMV_CONSTS
 #include "../entry_cuda.inc"
@@ -380,6 +385,8 @@ int main() {
     R7(4, 64, 1, 2048, 2, 4, ALL);
     R7(4, 64, 1, 2048, 1, 8, ALL);
     R7(4, 64, 1, 2048, 1, 2, ALL);
+    RV(v8, 4, 64, 1, 2048, 32, 4, 8, ALL);
+    RV(v8, 4, 64, 1, 2048, 32, 2, 8, ALL);
     free_problem(p);
   }
   {
@@ -388,6 +395,7 @@ int main() {
     R7(4, 64, 1, 2048, 1, 4, ALL);
     R7(4, 64, 1, 2048, 2, 4, ALL);
     R7(4, 64, 1, 2048, 1, 8, ALL);
+    RV(v8, 4, 64, 1, 2048, 32, 4, 8, ALL);
     free_problem(p);
   }
   {
@@ -396,6 +404,8 @@ int main() {
     R7(4, 64, 1, 4096, 1, 4, ALL);
     R7(4, 64, 1, 4096, 1, 8, ALL);
     R7(4, 64, 1, 4096, 1, 16, ALL);
+    RV(v8, 4, 64, 1, 4096, 32, 2, 4, ALL);
+    RV(v8, 4, 64, 1, 4096, 32, 2, 8, ALL);
     free_problem(p);
   }
   {
@@ -403,6 +413,8 @@ int main() {
     RV(v4, 4, 64, 1, 2048, 32, 1, 4, ALL);
     R7(4, 64, 1, 2048, 1, 4, ALL);
     R7(4, 64, 1, 2048, 1, 8, ALL);
+    RV(v8, 4, 64, 1, 2048, 32, 2, 2, ALL);
+    RV(v8, 4, 64, 1, 2048, 32, 2, 4, ALL);
     free_problem(p);
   }
   {
@@ -410,6 +422,7 @@ int main() {
     RV(v4, 4, 64, 1, 512, 16, 1, 4, ALL);
     R7(4, 64, 1, 512, 1, 4, ALL);
     R7(4, 64, 1, 512, 1, 2, ALL);
+    RV(v8, 4, 64, 1, 512, 32, 2, 4, ALL);
     free_problem(p);
   }
   {
@@ -428,6 +441,8 @@ int main() {
     R7(4, 64, 1, 2048, 1, 4, 1056);
     R7(4, 64, 1, 2048, 2, 4, 528);
     R7(4, 64, 1, 2048, 1, 8, 528);
+    RV(v8, 4, 64, 1, 2048, 32, 4, 8, 528);
+    RV(v8, 4, 64, 1, 2048, 32, 4, 4, 1056);
     free_problem(p);
   }
   {  // rows of x: v7's MMAs are the same for M <= 8 (B's columns)
