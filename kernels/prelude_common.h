@@ -87,12 +87,9 @@ LILY_INLINE void lily_row_rsqrt_ms(TX x, int mrows, float eps, LILY_TG_PTR float
 template <typename V>
 LILY_INLINE V lily_value(V v) { return v; }
 
-// Elements i .. i + 3 of p as floats: one load where the backend has a wide one and the address is aligned for it
-// (lily_float4_wide), else four.
+// Elements i .. i + 3 of p as floats.
 template <typename TP>
 LILY_INLINE float4 lily_float4(TP p, int i) {
-  float4 v;
-  if (lily_float4_wide(p + i, v)) return v;
   return LILY_F4(lily_float(p[i]), lily_float(p[i + 1]), lily_float(p[i + 2]), lily_float(p[i + 3]));
 }
 
@@ -106,7 +103,6 @@ struct lily_raw4 {
 template <typename V, typename TP>
 LILY_INLINE lily_raw4<V> lily_load4(TP p, int i) {
   lily_raw4<V> r;
-  if (lily_load4_wide(p + i, r)) return r;
   LILY_UNROLL
   for (int j = 0; j < 4; ++j) {
     r.v[j] = p[i + j];
@@ -389,13 +385,6 @@ LILY_INLINE float lily_warp_max(float v) {
     LILY_TRACE_WAITED();                   \
   }                                        \
   LILY_DEVICE_BARRIER();
-
-// LILY_OUT_EARLY (an experiment constant, 0 by default until a GPU has timed it): a chain's output projection
-// (deltanet_chain_out's phase 2, attn_chain_long's last) issues its weight loads before it waits for its x, the
-// phase before's output (qmv.inc's LILY_QMV_BEFORE_STAGE with QMV_X_WAITS).
-#if !defined(LILY_OUT_EARLY)
-#define LILY_OUT_EARLY 0
-#endif
 
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS

@@ -72,56 +72,6 @@ LILY_INLINE float lily_float(float v) { return v; }
 LILY_INLINE float lily_float(__half v) { return __half2float(v); }
 LILY_INLINE float lily_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// Four consecutive elements at p in one 8- or 16-byte load when p is aligned for it (false: the caller loads four).
-// NVRTC cannot prove an input's alignment, so it loads a bf16 row element by element: four requests to each 8 bytes,
-// from every block that stages the same row. Plain loads, not __ldg: a chain's later phase reads its earlier one's.
-// LILY_WIDE_LOADS=1 takes them: an experiment define, 0 by default, until a GPU has run and timed them.
-#ifndef LILY_WIDE_LOADS
-#define LILY_WIDE_LOADS 0
-#endif
-template <typename TP>
-LILY_INLINE bool lily_float4_wide(TP, float4&) { return false; }
-LILY_INLINE bool lily_float4_wide(const float* p, float4& v) {
-  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 15)) return false;
-  v = *reinterpret_cast<const float4*>(p);
-  return true;
-}
-LILY_INLINE bool lily_float4_wide(const __nv_bfloat16* p, float4& v) {
-  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
-  const uint2 u = *reinterpret_cast<const uint2*>(p);  // bf16 is a float's top half
-  v = make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                  __uint_as_float(u.y & 0xffff0000u));
-  return true;
-}
-LILY_INLINE bool lily_float4_wide(const __half* p, float4& v) {
-  if (!LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-  v = make_float4(a.x, a.y, b.x, b.y);
-  return true;
-}
-template <typename E>
-LILY_INLINE bool lily_float4_wide(E* p, float4& v) {  // an output read back (a chain's packed h): as its const
-  return lily_float4_wide(const_cast<const E*>(p), v);
-}
-
-// lily_load4's one wide load (as lily_float4_wide): four 16-bit elements (bf16, fp16) as loaded into r.v, the load
-// issued here.
-template <typename TP, typename R>
-LILY_INLINE bool lily_load4_wide(TP, R&) { return false; }
-template <typename E, typename R>
-LILY_INLINE bool lily_load4_wide(const E* p, R& r) {
-  if (sizeof(E) != 2 || !LILY_WIDE_LOADS || (reinterpret_cast<uintptr_t>(p) & 7)) return false;
-  uint2 u = *reinterpret_cast<const uint2*>(p);
-  asm volatile("" : "+r"(u.x), "+r"(u.y));  // lily_pin's: NVCC would sink the load to the first use
-  const unsigned short h[4] = {static_cast<unsigned short>(u.x), static_cast<unsigned short>(u.x >> 16),
-                               static_cast<unsigned short>(u.y), static_cast<unsigned short>(u.y >> 16)};
-  LILY_UNROLL
-  for (int j = 0; j < 4; ++j) r.v[j] = *reinterpret_cast<const E*>(&h[j]);
-  return true;
-}
-
 template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
 template <> LILY_INLINE __half lily_cast<__half>(float v) { return __float2half_rn(v); }
 template <> LILY_INLINE __nv_bfloat16 lily_cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }

@@ -40,11 +40,6 @@ LILY_INLINE uint32_t lily_warp_max_u32(uint32_t v) { return simd_max(v); }
 LILY_INLINE float lily_float(float v) { return v; }
 LILY_INLINE float lily_float(half v) { return static_cast<float>(v); }
 LILY_INLINE float lily_float(bfloat16_t v) { return static_cast<float>(v); }
-// CUDA's wide loads of four elements (prelude_cuda.h); Metal loads them one by one.
-template <typename TP>
-LILY_INLINE bool lily_float4_wide(TP, thread float4&) { return false; }
-template <typename TP, typename R>
-LILY_INLINE bool lily_load4_wide(TP, thread R&) { return false; }
 
 template <typename T> LILY_INLINE T lily_cast(float v) { return static_cast<T>(v); }
 template <typename V> LILY_INLINE void lily_pin(thread V&) {}  // prelude_cuda.h's: no such sinking to undo here

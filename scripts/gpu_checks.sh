@@ -110,7 +110,7 @@ step 60 120 "every chain (the defaults) on the GPU's timeline" python3 -m bench.
   --model "$model" --context 64 4096 16384 --json "$res/timeline_chains.json"
 # PLANS and DEFINES, space-separated $LILY_MLX_PLAN and $LILY_MLX_KERNEL_DEFINES values: every chain's timeline under
 # each, beside the defaults' above (a launch shape's or a kernel experiment's A/B in one tree, e.g.
-# PLANS="attn_chain.BLOCKS=512" DEFINES="LILY_OUT_EARLY=1 LILY_ATTN_STAGE=1 LILY_DN_PRELOAD=1"), at the contexts
+# PLANS="attn_chain.BLOCKS=512 attn_decode.STAGE_ROWS=1024" DEFINES="LILY_SYNC_SLEEP_NS=0"), at the contexts
 # VARIANT_CONTEXTS (default 64 4096; a context more costs a variant ~10 s, a process more ~40).
 for variant in ${PLANS:+$(printf 'LILY_MLX_PLAN=%s ' $PLANS)} \
                ${DEFINES:+$(printf 'LILY_MLX_KERNEL_DEFINES=%s ' $DEFINES)}; do

@@ -41,9 +41,7 @@ KERNEL_SOURCES = "/tmp/lily-kernel-sources"
 CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
-    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "", "LILY_DN_PRELOAD=1"),
-    ("", "", "LILY_OUT_EARLY=1"), ("", "", "LILY_ATTN_STAGE=1"),
-    ("", "", "LILY_OUT_EARLY=1,LILY_ATTN_STAGE=1,LILY_DN_PRELOAD=1"), ("", "", "LILY_WIDE_LOADS=1"),
+    ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
 ]
 CONTEXTS = (64, 4096)
 

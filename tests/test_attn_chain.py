@@ -84,14 +84,14 @@ def _check_chain(case, inputs, got, fold):
     assert err < TOL[case.dtype], f"{case}: h rel err {err:.2e}"
 
 
-def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=False):
+def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=False, stage=False):
     x, norm, qkv, qn, kn, keys, values, offset, o_proj, res = inputs
     B, L, Hq, Hkv, D, K = case.B, case.tokens, case.Hq, case.Hkv, case.D, x.shape[-1]
     H, obits = o_proj[0].shape[0], o_proj[3]
     p = ac.plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, qkv[3], H, obits, fold, sms)
     inst = ac.instance(case.dtype, case.dtype, qn.dtype, norm[0].dtype, BF16, BF16, B, K, qkv[3], qkv[4], Hq, Hkv, D,
                        case.rope, case.theta, 1e-6, norm[1], D**-0.5, H, obits, 32, fold, bool(case.starts), p=p,
-                       tokens=L, prefetch=prefetch, kv_write=kv_write)
+                       tokens=L, prefetch=prefetch, kv_write=kv_write, stage=stage)
     zero = mx.array([0], dtype=mx.int32)
     rows = [r for r in case.rows() if r is not None] or [zero, zero]
     args = [x, *qkv[:3], norm[0], qn, kn, keys, values, offset, mx.array([case.plane], dtype=mx.int32), *rows,
@@ -105,12 +105,11 @@ def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=Fals
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("defines", [None, "LILY_OUT_EARLY=1,LILY_ATTN_STAGE=1"], ids=["defaults", "experiments"])
-def test_chain_emulated_matches_reference(tmp_path, kernel_env, defines):
+@pytest.mark.parametrize("stage", [False, True], ids=["rows", "staged"])
+def test_chain_emulated_matches_reference(tmp_path, stage):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same. Also under the experiments not yet the path
-    (prelude_common.h's LILY_OUT_EARLY, attn_decode.inc's LILY_ATTN_STAGE), so they stay right until a GPU times them."""
-    kernel_env(kernels.DEFINES_ENV, defines)
+    whose weights pack also with packed weights, bit for bit the same. Both with the split's cached rows read by each
+    warp and staged in shared memory (STAGE, which the planner takes for long splits only)."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and one planned
     # for a GPU of 2 SMs (the projection's 288 one-warp blocks fitted to one wave: 9 rows a lane segment, not 1).
@@ -119,7 +118,7 @@ def test_chain_emulated_matches_reference(tmp_path, kernel_env, defines):
     for n, (c, fold, prefetch, sms) in enumerate(runs):
         case, K, bits, gs, H, obits = c
         inputs = _inputs(case, K, bits, gs, H, obits, seed=n)
-        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, prefetch, sms)
+        spec, inst, args, grid, group, shapes = _emulated_launch(case, inputs, fold, prefetch, sms, stage=stage)
         assert sms is None or dict(inst.template)["RPS"] == 9
         emu.add(spec, inst, args, grid, group, shapes, reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append((case, inputs, fold))
@@ -353,6 +352,24 @@ def test_chain_prefetch_cuda(case, K, bits, gs, H, obits, fold):
         hinted = _gpu("cuda", case, K, bits, gs, H, obits, fold)
     for h, p in zip(hinted, plain):
         assert mx.array_equal(h, p, equal_nan=True).item(), f"{case}: the prefetch hints changed an output"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "long"])
+@pytest.mark.parametrize("case,K,bits,gs,H,obits", GPU_CASES, ids=repr)
+def test_chain_staged_cuda(kernel_env, case, K, bits, gs, H, obits, fold):
+    """Every split cache's rows through shared memory (attn_decode.STAGE_ROWS=1: the test caches are short of the
+    planner's STAGE_MIN_ROWS a split), right as the unstaged launch is."""
+    kernel_env(kernels.PLAN_ENV, "attn_decode.STAGE_ROWS=1")
+    _gpu("cuda", case, K, bits, gs, H, obits, fold)
+
+
+def test_stage_follows_the_split_length(kernel_env):
+    """STAGE is built for splits of at least STAGE_MIN_ROWS cached positions (or $LILY_MLX_PLAN's), never for one
+    unsplit block."""
+    assert not ad.staged(4096, 1) and not ad.staged(272, 18) and ad.staged(4352, 128) and ad.staged(16640, 128)
+    kernel_env(kernels.PLAN_ENV, "attn_decode.STAGE_ROWS=8")
+    assert ad.staged(272, 18) and not ad.staged(100, 18)
 
 
 @pytest.mark.cuda

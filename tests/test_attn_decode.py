@@ -133,16 +133,16 @@ EMULATED = [
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 @pytest.mark.parametrize("wide", [False, True], ids=["strided-lanes", "wide"])
-@pytest.mark.parametrize("defines", [None, "LILY_ATTN_STAGE=1"], ids=["defaults", "staged"])
-def test_metal_emulated_matches_reference(tmp_path, kernel_env, wide, defines):
-    kernel_env(kernels.DEFINES_ENV, defines)  # LILY_ATTN_STAGE: an experiment, right until a GPU times it
+@pytest.mark.parametrize("stage", [False, True], ids=["rows", "staged"])
+def test_metal_emulated_matches_reference(tmp_path, wide, stage):
     emu, splits = Emulator(tmp_path / "a"), []
     (tmp_path / "a").mkdir()
     for c, case in enumerate(EMULATED):
         args = case.arrays(c)
         split = case.nsplit > 1
         inst = ad.instance(case.dtype, case.dtype, case.dtype, case.B, case.Hq, case.Hkv, case.D, case.rope, case.theta,
-                           1e-6, case.D**-0.5, split, rows=bool(case.starts), tokens=case.tokens, wide=wide)
+                           1e-6, case.D**-0.5, split, rows=bool(case.starts), tokens=case.tokens, wide=wide,
+                           stage=stage)
         threads = 32 * (case.Hq // case.Hkv)
         B, L, Hq, ns, D = case.B, case.tokens, case.Hq, case.nsplit, case.D
         shapes = [(B, L, Hq * D) if not split else (1,), (B, case.Hkv, L, D), (B, case.Hkv, L, D),

@@ -84,12 +84,9 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("defines", [None, "LILY_OUT_EARLY=1,LILY_DN_PRELOAD=1"], ids=["defaults", "experiments"])
-def test_chain_emulated_matches_reference(tmp_path, kernel_env, defines):
+def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same. Also under the experiments not yet the path
-    (LILY_OUT_EARLY, deltanet_step.inc's LILY_DN_PRELOAD), so they stay right until a GPU times them."""
-    kernel_env(kernels.DEFINES_ENV, defines)
+    whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
     # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 import lily_mlx.ops as ops
-from lily_mlx.ops import kernels, qmv, reference
+from lily_mlx.ops import qmv, reference
 
 # (M, K as a multiple of the group or 2048, N): N=1 (shared-expert gate), odd N, N just past 8192.
 SHAPES = [(1, "4g", 1), (3, 2048, 33), (8, 2048, 7), (1, 2048, 8200), (3, "4g", 8200)]
@@ -104,29 +104,6 @@ def test_many_rows_dense_dequant_gemm_cuda(dt):
     for a, c in zip(runs[True], runs[False]):
         af, cf = a.astype(mx.float32), c.astype(mx.float32)
         assert not mx.isnan(af).any().item() and (mx.linalg.norm(af - cf) / mx.linalg.norm(cf)).item() < tol
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dt", [mx.float32, mx.bfloat16, mx.float16])
-def test_wide_loads_equal_element_loads_cuda(kernel_env, dt):
-    """With LILY_WIDE_LOADS=1 CUDA loads four activations (and norm weights) at once where the address is aligned for
-    it (prelude_cuda.h's lily_float4_wide): the same bits as four loads (the default), for inputs at an aligned
-    address and one element past it (views into a larger array: where MLX passes a view in place, the misaligned one
-    takes the four loads)."""
-    M, K, N = 3, 2048, 37
-    _, w, s, b = _inputs(M, K, N, 4, 64, dt, 8)
-    flat = (3 * mx.random.normal((M * K + K + 1,), key=mx.random.key(9))).astype(dt)
-    for off in (0, 1):  # 1: both views start one element past an aligned address
-        x = flat[off:off + M * K].reshape(M, K)
-        nw = flat[M * K + off:M * K + off + K]
-        runs = []
-        for value in ("LILY_WIDE_LOADS=1", None):
-            kernel_env(kernels.DEFINES_ENV, value)
-            y = qmv.qmv(x, w, s, b, group_size=64, bits=4, backend="cuda", norm=(nw, 1e-6), init_value=float("nan"))
-            assert y is not None
-            runs.append(y)
-        assert not mx.isnan(runs[0].astype(mx.float32)).any().item(), f"offset {off}: unwritten (NaN) outputs"
-        assert mx.array_equal(runs[0], runs[1]).item(), f"offset {off}: wide and element loads differ ({dt})"
 
 
 # (bits, group, x dtype, M, K, N, fusion): the input norm over one and several K tiles, the residual add.

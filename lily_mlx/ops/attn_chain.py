@@ -94,14 +94,14 @@ def instance(dtype, cache_dtype, norm_dtype, norm_in_dtype, scale_dtype, oscale_
              group_size: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float, eps: float, eps_in: float,
              scale: float, H: int, obits: int, ogs: int, fold: bool, rows: bool = False, capacity: int = 16,
              p: Optional[dict] = None, tokens: int = 1, wide: bool = False,
-             prefetch: bool = False, kv_write: bool = False) -> kernels.Instance:
+             prefetch: bool = False, kv_write: bool = False, stage: bool = False) -> kernels.Instance:
     """norm_dtype: q_norm/k_norm's; norm_in_dtype: the input norm's; scale_dtype / oscale_dtype: the input and output
     projections' scales and biases; H: the output projection's rows; p: plan()'s, when the caller has it; tokens:
-    new tokens a row; prefetch: chain_prefetch's L2 hints (PF); kv_write: attn_decode's KVW."""
+    new tokens a row; prefetch: chain_prefetch's L2 hints (PF); kv_write: attn_decode's KVW; stage: its STAGE."""
     M = kernels.row_bucket(B * tokens)
     p = p or plan(M, K, Hq, Hkv, D, bits, H, obits, fold)
     attn = ad.instance(dtype, cache_dtype, norm_dtype, B, Hq, Hkv, D, rope_dims, rope_theta, eps, scale, True,
-                       capacity, rows, tokens, wide, kv_write)
+                       capacity, rows, tokens, wide, kv_write, stage)
     template = attn.template + (("WARPS", p["WARPS"]), ("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size),
                                 ("M", M), ("K", K), ("LANES", p["qkv"]["LANES"]), ("RPS", p["qkv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)), ("OBITS", obits), ("OGS", ogs),
@@ -124,7 +124,7 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *qkv[:3], qn, kn, keys, values, offset, *o_proj[:3],
                                                residual)),
            qkv[3:], o_proj[3:], norm[1], eps, tuple(sorted(kw.items())), None if rows is None else rows[0].shape, fold,
-           wide, prefetch, target, kv_write, kernels.sm_count())
+           wide, prefetch, target, ad.stage_rows(), kv_write, kernels.sm_count())
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -139,7 +139,8 @@ def _launch(x, norm, qkv, qn, kn, eps, keys, values, offset, o_proj, residual, k
         p = plan(kernels.row_bucket(B * L), K, Hq, Hkv, D, bits, wo.shape[0], obits, fold, key[-1])
         inst = instance(x.dtype, keys.dtype, qn.dtype, norm[0].dtype, scales.dtype, so.dtype, B, K, bits, group_size,
                         Hq, Hkv, D, kw["rope_dims"], kw["rope_theta"], eps, norm[1], kw["scale"], wo.shape[0], obits,
-                        ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch, kv_write=kv_write)
+                        ogs, fold, rows is not None, p=p, tokens=L, wide=wide, prefetch=prefetch, kv_write=kv_write,
+                        stage=ad.staged(cap, ns))
         threads = 32 * p["WARPS"]
         launch = ("attn_chain" if fold else "attn_chain_long", list(inst.template),
                   (blocks(p, B * L, Hq, Hkv, ns, fold) * threads, 1, 1), (threads, 1, 1), ns)

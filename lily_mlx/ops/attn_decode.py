@@ -27,12 +27,16 @@ MAX_TOKENS = 8  # new tokens a row (model.DECODE_TOKENS_MAX): each block holds t
 # per kv head over 512 positions cost ~175 us per layer, 64 blocks of 64 positions ~20 us.
 SINGLE_MAX = 32  # cache capacity up to which one launch (one block per kv head) does it all
 MIN_CHUNK = 16  # positions per split at least
+# A split's cached rows go through shared memory (STAGE) from this many positions a split: each row loaded once a
+# block, not by each query head's warp. H100 run 75, attn_chain a call: 98.4 -> 66.0 us at context 16,384 (128 rows a
+# split), 49.5 -> 43.0 at 4096 (32), but 32.2 -> 34.3 at 64, where no split holds a stage (the build alone costs).
+STAGE_MIN_ROWS = 32
 TARGET_BLOCKS = 512  # blocks of 8 warps: about four per multiprocessor
 TP = 4  # positions a warp has in flight per iteration
 COMBINE_WARPS = 8
 SHARED_BYTES = metal_source.THREADGROUP_BYTES
 SPEC_PARAMS = ("T", "TC", "TN", "B", "HQ", "HKV", "D", "ROPE", "LOG2_BASE_BITS", "EPS_BITS", "SCALE_BITS", "SPLIT", "TP",
-               "ROWS", "TOKS", "WIDE", "KVW")
+               "ROWS", "TOKS", "WIDE", "KVW", "STAGE")
 
 
 def splits(rows: int, n_kv_heads: int, capacity: int, target_blocks: int = TARGET_BLOCKS) -> int:
@@ -41,6 +45,17 @@ def splits(rows: int, n_kv_heads: int, capacity: int, target_blocks: int = TARGE
     if capacity <= SINGLE_MAX:
         return 1
     return max(2, min(-(-(capacity + 1) // MIN_CHUNK), max(1, target_blocks // (rows * n_kv_heads))))
+
+
+def stage_rows() -> int:
+    """The positions a split needs to take the staged rows (STAGE): STAGE_MIN_ROWS, or $LILY_MLX_PLAN's
+    attn_decode.STAGE_ROWS."""
+    return kernels.plan_overrides().get("attn_decode", {}).get("STAGE_ROWS", STAGE_MIN_ROWS)
+
+
+def staged(capacity: int, nsplit: int) -> bool:
+    """Whether a cache of `capacity` positions in `nsplit` splits takes the staged rows."""
+    return nsplit > 1 and capacity // nsplit >= stage_rows()
 
 
 def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n_heads, n_kv_heads, rope_dims,
@@ -78,15 +93,15 @@ def unsupported(proj, q_norm_weight, k_norm_weight, eps, keys, values, offset, n
 
 def instance(dtype, cache_dtype, norm_dtype, B: int, Hq: int, Hkv: int, D: int, rope_dims: int, rope_theta: float,
              eps: float, scale: float, split: bool, capacity: int = 16, rows: bool = False,
-             tokens: int = 1, wide: bool = False, kv_write: bool = False) -> kernels.Instance:
+             tokens: int = 1, wide: bool = False, kv_write: bool = False, stage: bool = False) -> kernels.Instance:
     """tokens: new tokens a row; the build holds row_bucket(tokens) of them (TOKS). wide: a lane's dims consecutive,
     loaded 16 bytes at a time (switch attn_decode_wide). kv_write: the new rows written into keys and values in place
-    too (KVW; switch kv_write)."""
+    too (KVW; switch kv_write). stage: a split's cached rows through shared memory (STAGE; staged())."""
     template = (("T", dtype), ("TC", cache_dtype), ("TN", norm_dtype), ("B", B), ("HQ", Hq), ("HKV", Hkv), ("D", D),
                 ("ROPE", rope_dims), ("LOG2_BASE_BITS", kernels.float_bits(math.log2(rope_theta))),
                 ("EPS_BITS", kernels.float_bits(eps)), ("SCALE_BITS", kernels.float_bits(scale)), ("SPLIT", bool(split)),
                 ("TP", TP), ("ROWS", bool(rows)), ("TOKS", kernels.row_bucket(tokens)), ("WIDE", bool(wide)),
-                ("KVW", bool(kv_write)))
+                ("KVW", bool(kv_write)), ("STAGE", bool(stage)))
     kv = (cache_dtype, (B, Hkv, capacity, D))
     per_row = (mx.int32, (B,) if rows else (1,))
     inputs = ((dtype, (B, tokens, Hq * 2 * D + 2 * Hkv * D)), (norm_dtype, (D,)), (norm_dtype, (D,)), kv, kv, (mx.int32, (1,)),
@@ -134,8 +149,8 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
     then (part_acc [B*T, Hq, NS, D], part_ml [B*T, Hq, NS, 2]) for qmv_attn to merge."""
     rows = None if row_start is None else (row_start, row_pos)
     wide = enabled("attn_decode_wide")
-    key = (wide, proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype, offset.shape,
-           offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
+    key = (wide, stage_rows(), proj.shape, proj.dtype, q_norm_weight.dtype, keys.shape, keys.dtype, values.dtype,
+           offset.shape, offset.dtype, eps, n_heads, n_kv_heads, rope_dims, rope_theta, scale, plane,
            None if rows is None else tuple((r.shape, r.dtype) for r in rows))
     launch = _LAUNCH.get(key, False)
     if launch is False:
@@ -145,7 +160,7 @@ def attention_decode(proj, q_norm_weight, k_norm_weight, eps: float, keys, value
             (B, L, _), (_, Hkv, cap, D) = proj.shape, keys.shape
             ns = splits(B * L, Hkv, cap)
             inst = instance(proj.dtype, keys.dtype, q_norm_weight.dtype, B, n_heads, Hkv, D, rope_dims, rope_theta,
-                            eps, scale, ns > 1, rows=rows is not None, tokens=L, wide=wide)
+                            eps, scale, ns > 1, rows=rows is not None, tokens=L, wide=wide, stage=staged(cap, ns))
             comb = combine_instance(proj.dtype, B, n_heads, Hkv, D)
             launch = (list(inst.template), list(comb.template), ns)
         _LAUNCH[key] = launch
@@ -190,6 +205,8 @@ def _instances() -> list[kernels.Instance]:
             for split in (False, True):  # attn_decode_wide
                 out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, split,
                                     wide=True))
+            out.append(instance(dt, dt, dt, B, Hq, Hkv, D, rd, 1e7 if D == 256 else 1e4, 1e-6, D**-0.5, True,
+                                stage=True))  # a long split's rows through shared memory
     return kernels.unique_instances(out, key=kernels.source_key)
 
 

@@ -591,7 +591,8 @@ def experiment_values() -> dict[str, str]:
 PLAN_ENV = "LILY_MLX_PLAN"
 PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
 PLANNED["attn_chain"] = ("BLOCKS",)  # the attention phase's blocks to aim for when it splits a cache
-PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096}
+PLANNED["attn_decode"] = ("STAGE_ROWS",)  # the cached positions a split needs for its rows to go through shared memory
+PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20}
 
 
 @functools.lru_cache(maxsize=None)
