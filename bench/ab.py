@@ -7,8 +7,9 @@ Method: each arm runs in its own fresh process (`bench.arm`) that loads the mode
 matrix (prompt length x decode length x batch size) gets warm-up trials, then N rounds whose arm order
 alternates; the median of the rounds is reported. A row is refused when an arm's prefill or decode
 throughput spreads more than --max-drift ((max - min) / median) across rounds, or when an arm's greedy
-tokens differ between rounds or from the baseline arm's (the report names the first diverging step).
-`--isolation round` starts a fresh process per arm per round instead (one model in memory at a time).
+tokens differ between rounds or from the baseline arm's (the report names the first diverging step). A refused
+row with agreeing tokens still states the ratio no round contradicts: the arm's slowest round against the
+baseline's fastest, up to its fastest against the baseline's slowest. `--isolation round` starts a fresh process per arm per round instead (one model in memory at a time).
 """
 
 from __future__ import annotations
@@ -285,6 +286,11 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
                   for k in ("decode", "prefill")}
         entry["paired_ratios"] = {k: {"rounds": v, "spread": (max(v) - min(v)) / statistics.median(v)}
                                   for k, v in paired.items()}
+        # What no round contradicts, however the rounds spread: this arm's slowest round against the baseline's
+        # fastest, and its fastest against the baseline's slowest (a refused row's claim, as a range).
+        entry["ratio_bounds"] = {k: [min(t[f"{k}_tps"] for t in trials[arm]) / max(u[f"{k}_tps"] for u in trials[baseline]),
+                                     max(t[f"{k}_tps"] for t in trials[arm]) / min(u[f"{k}_tps"] for u in trials[baseline])]
+                                 for k in ("decode", "prefill")}
         if arm != baseline and entry["digest"] != base["digest"]:
             d = first_divergence(trials[baseline][0]["tokens"], trials[arm][0]["tokens"])
             divergence[arm] = d
@@ -469,6 +475,11 @@ def markdown(report: dict) -> str:
         lines += ["", "Refused rows:"]
         for r in refused:
             lines += [f"- p={r['prompt_tokens']} g={r['generation_tokens']} b={r['batch_size']}: {why}" for why in r["reasons"]]
+            lines += [f"- p={r['prompt_tokens']} g={r['generation_tokens']} b={r['batch_size']}: {arm}'s decode is "
+                      f"{e['ratio_bounds']['decode'][0]:.2f}x to {e['ratio_bounds']['decode'][1]:.2f}x {base}'s, "
+                      f"prefill {e['ratio_bounds']['prefill'][0]:.2f}x to {e['ratio_bounds']['prefill'][1]:.2f}x "
+                      f"(every round's worst and best pairing)"
+                      for arm, e in r["arms"].items() if arm != base and r["digests_agree"]]
     return "\n".join(lines) + "\n"
 
 

@@ -284,6 +284,23 @@ def test_bench_digest_divergence_names_the_step():
     assert "lily: greedy tokens differ from stock at sequence 0 step 2: stock 3 vs lily 4" in row["reasons"]
 
 
+def test_bench_refused_row_states_the_ratio_every_round_allows():
+    """A row refused for drift still bounds the ratio: the arm's slowest round over the baseline's fastest, up to its
+    fastest over the baseline's slowest (run 75's stock rounds 39.6 and 49.6 tok/s against ours' 436 and 439)."""
+    base = {"ttft_s": 1.0, "peak_memory_gb": 1.0, "distinct_tokens": 3, "reported": {}, "tokens": [[1, 2, 3]], "digest": "x"}
+    stock = [{**base, "prefill_tps": 300.0, "decode_tps": 39.6}, {**base, "prefill_tps": 330.0, "decode_tps": 49.6}]
+    lily = [{**base, "prefill_tps": 1100.0, "decode_tps": 436.0}, {**base, "prefill_tps": 1150.0, "decode_tps": 439.0}]
+    row = ab.evaluate(256, 64, 1, {"stock": stock, "lily": lily}, "stock", 0.03, None)
+    assert row["status"] == "refused" and any("stock: decode_tps spreads" in r for r in row["reasons"])
+    lo, hi = row["arms"]["lily"]["ratio_bounds"]["decode"]
+    assert lo == pytest.approx(436.0 / 49.6) and hi == pytest.approx(439.0 / 39.6)
+    assert row["arms"]["lily"]["ratio_bounds"]["prefill"] == pytest.approx([1100.0 / 330.0, 1150.0 / 300.0])
+    report = {"baseline": "stock", "rows": [row], "model": {"spec": "m"}, "date": "d",
+              "hardware": {"backend": "cpu", "cpu": "c"}, "versions": {"mlx": "0", "mlx_lm": "0"}, "git": {},
+              "settings": {"num_trials": 2, "max_drift": 0.03}}
+    assert "lily's decode is 8.79x to 11.09x stock's, prefill 3.33x to 3.83x" in ab.markdown(report)
+
+
 def test_perplexity_windows_score_every_target_once():
     assert perplexity.windows(10, 4, 2) == [(0, 5, 1), (2, 7, 5), (4, 9, 7), (6, 10, 9)]
     assert perplexity.windows(9, 4, 4) == [(0, 5, 1), (4, 9, 5)]
