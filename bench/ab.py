@@ -9,7 +9,8 @@ alternates; the median of the rounds is reported. A row is refused when an arm's
 throughput spreads more than --max-drift ((max - min) / median) across rounds, or when an arm's greedy
 tokens differ between rounds or from the baseline arm's (the report names the first diverging step). A refused
 row with agreeing tokens still states the ratio no round contradicts: the arm's slowest round against the
-baseline's fastest, up to its fastest against the baseline's slowest. `--isolation round` starts a fresh process per arm per round instead (one model in memory at a time).
+baseline's fastest, up to its fastest against the baseline's slowest.
+`--isolation round` starts a fresh process per arm per round instead (one model in memory at a time).
 """
 
 from __future__ import annotations
@@ -288,9 +289,9 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
                                   for k, v in paired.items()}
         # What no round contradicts, however the rounds spread: this arm's slowest round against the baseline's
         # fastest, and its fastest against the baseline's slowest (a refused row's claim, as a range).
-        entry["ratio_bounds"] = {k: [min(t[f"{k}_tps"] for t in trials[arm]) / max(u[f"{k}_tps"] for u in trials[baseline]),
-                                     max(t[f"{k}_tps"] for t in trials[arm]) / min(u[f"{k}_tps"] for u in trials[baseline])]
-                                 for k in ("decode", "prefill")}
+        ours = {k: [t[f"{k}_tps"] for t in trials[arm]] for k in ("decode", "prefill")}
+        theirs = {k: [t[f"{k}_tps"] for t in trials[baseline]] for k in ("decode", "prefill")}
+        entry["ratio_bounds"] = {k: [min(ours[k]) / max(theirs[k]), max(ours[k]) / min(theirs[k])] for k in ours}
         if arm != baseline and entry["digest"] != base["digest"]:
             d = first_divergence(trials[baseline][0]["tokens"], trials[arm][0]["tokens"])
             divergence[arm] = d
