@@ -283,14 +283,13 @@ def evaluate(p: int, g: int, b: int, trials: dict[str, list[dict]], baseline: st
         }
         # Informational, not a refusal rule: the ratio round by round (the arms of a round run back to back), which
         # would be steady if a machine's slow spells hit both arms of a round alike.
-        paired = {k: [t[f"{k}_tps"] / u[f"{k}_tps"] for t, u in zip(trials[arm], trials[baseline])]
-                  for k in ("decode", "prefill")}
+        ours = {k: [t[f"{k}_tps"] for t in trials[arm]] for k in ("decode", "prefill")}
+        theirs = {k: [t[f"{k}_tps"] for t in trials[baseline]] for k in ("decode", "prefill")}
+        paired = {k: [a / b for a, b in zip(ours[k], theirs[k])] for k in ours}
         entry["paired_ratios"] = {k: {"rounds": v, "spread": (max(v) - min(v)) / statistics.median(v)}
                                   for k, v in paired.items()}
         # What no round contradicts, however the rounds spread: this arm's slowest round against the baseline's
         # fastest, and its fastest against the baseline's slowest (a refused row's claim, as a range).
-        ours = {k: [t[f"{k}_tps"] for t in trials[arm]] for k in ("decode", "prefill")}
-        theirs = {k: [t[f"{k}_tps"] for t in trials[baseline]] for k in ("decode", "prefill")}
         entry["ratio_bounds"] = {k: [min(ours[k]) / max(theirs[k]), max(ours[k]) / min(theirs[k])] for k in ours}
         if arm != baseline and entry["digest"] != base["digest"]:
             d = first_divergence(trials[baseline][0]["tokens"], trials[arm][0]["tokens"])
