@@ -49,20 +49,17 @@ def _check(c, a, router, y, logits, packed):
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_chain_emulated_matches_oracle(tmp_path):
     """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
-    first; the counters come back zero. Also with each block reading one of 3 copies of the norm weight (NWC, the
-    moe_chain.NW_COPIES experiment): the same outputs, and no read past the copies (the emulator's bounds checks)."""
+    first; the counters come back zero."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []  # packed weights too, bit for bit the same
-    # Then a run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
-    runs = [(r, None, False, 1) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False, 1),
-                                                  (CHAIN[0], None, True, 1), (CHAIN[1], None, False, 3)]
-    for n, ((c, rbits, rgs), forced, prefetch, nwc) in enumerate(runs):
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
+    for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
         p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
         inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p,
-                                  prefetch=prefetch, nw_copies=nwc)
+                                  prefetch=prefetch)
         args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
-        args[1] = mx.tile(args[1], (nwc,))
         threads = 32 * p["WARPS"]
         emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,

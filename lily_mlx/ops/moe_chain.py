@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import enabled, kernels, metal_source, moe, register_kernel, register_switch
 
-SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF", "NWC")
+SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF")
 # H100 run 36 (ncu): moe_chain reads 16.5 MB a layer in 39.7 us (0.42 TB/s), its phases waiting on one another.
 # With chain_prefetch, phase 1 asks the L2 for the down weights phase 2 will read (kernels/moe_chain.inc, PF); the
 # DeltaNet and attention chains take the same switch (their state, cache and output projection).
@@ -77,8 +77,7 @@ def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_
 
 def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_bits, router_group, *, norm_dtype=None,
              eps=1e-6, normalize=True, router_scale_dtype=mx.bfloat16, p: Optional[dict] = None,
-             prefetch: bool = False, nw_copies: int = 1) -> kernels.Instance:
-    """nw_copies: copies of the norm weight the blocks read (NWC; nw_copies_planned())."""
+             prefetch: bool = False) -> kernels.Instance:
     LS = E + 1
     p = p or plan(M, K, H, I, IS, LS, bits, router_bits)
     gate_up = moe.gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size,
@@ -86,28 +85,20 @@ def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_b
                                    plan=p["gate_up"])
     down = moe.down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, LS=LS, plan=p["down"])
     template = gate_up.template + (("DLANES", p["down"]["LANES"]), ("DRPS", p["down"]["RPS"]), ("RBITS", router_bits),
-                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)),
-                                   ("NWC", nw_copies))
+                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)))
     router = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
               (router_scale_dtype, (LS, H // router_group)))
-    nw = (gate_up.inputs[1][0], (nw_copies * H,))
-    inputs = gate_up.inputs[:1] + (nw,) + router + gate_up.inputs[3:] + down.inputs[5:11] + (
-        (mx.int32, (kernels.SYNC_SLOTS,)),)
+    inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (kernels.SYNC_SLOTS,)),)
     return kernels.Instance(template, inputs, (x_dtype, x_dtype, mx.float32))
 
 
-def nw_copies_planned() -> int:
-    """$LILY_MLX_PLAN's moe_chain.NW_COPIES, else 1."""
-    return kernels.plan_overrides().get("moe_chain", {}).get("NW_COPIES", 1)
-
-
-_LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width, NWC), or None
+_LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width), or None
 
 
 def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize, group_size, bits):
     key = (moe._signature(x, *router[:3], *gate, *up, *down, *shared_gate, *shared_up, *shared_down), router[3:],
            None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]), top_k, normalize, group_size, bits,
-           nw_copies_planned(), enabled("chain_prefetch"))
+           enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -120,10 +111,9 @@ def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down
         p = plan(M, K, H, I, IS, LS, bits, router[3])
         inst = instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size, router[3], router[4],
                         norm_dtype=norm[0].dtype, eps=norm[1], normalize=normalize, router_scale_dtype=router[1].dtype,
-                        p=p, prefetch=key[-1], nw_copies=key[-2])
+                        p=p, prefetch=key[-1])
         threads = 32 * p["WARPS"]
-        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), LS, moe.packed_width(K, I, IS),
-                  key[-2])
+        launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), LS, moe.packed_width(K, I, IS))
     _LAUNCH[key] = launch
     return launch
 
@@ -137,10 +127,9 @@ def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, 
                      group_size, bits)
     if launch is None:
         return None
-    template, grid, group, LS, width, nwc = launch
+    template, grid, group, LS, width = launch
     lead = x.shape[:-1]
-    nw = norm[0] if nwc == 1 else mx.tile(norm[0], (nwc,))
-    inputs = [x, nw, *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
+    inputs = [x, norm[0], *router[:3], *gate, *up, *shared_gate, *shared_up, *down, *shared_down,
               kernels.sync_counters()]
     return tuple(kernels.call("moe_chain", backend, inputs, template, grid, group,
                               [x.shape, (*lead, LS), (*lead, width)], [x.dtype, x.dtype, mx.float32], init_value))
@@ -157,8 +146,6 @@ def _instances() -> list[kernels.Instance]:
                                       prefetch=prefetch))
         if H % 32 == 0:
             insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 4, 32, normalize=K != 3))
-    x_dt, scale_dt, M, K, E, H, I, IS, bits, gs = moe._combos()[0]
-    insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 8, 64, normalize=K != 3, nw_copies=4))
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
