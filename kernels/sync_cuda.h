@@ -11,13 +11,6 @@
 #define LILY_SYNC_SLEEP_NS 64
 #endif
 
-// Experiment define LILY_GU_STAGE_DELAY_NS (0: none): moe_chain's routed gate/up jobs sleep this long before they
-// stage x', off the router blocks' staging of the same row (does their staging slow the router's?).
-#ifndef LILY_GU_STAGE_DELAY_NS
-#define LILY_GU_STAGE_DELAY_NS 0
-#endif
-LILY_INLINE void lily_sleep_ns(unsigned ns) { __nanosleep(ns); }
-
 // A block-wide barrier that also orders its threads' device-memory accesses (__syncthreads does on CUDA).
 #define LILY_DEVICE_BARRIER() __syncthreads()
 LILY_INLINE int lily_sync_ticket(const int* sync) { return atomicAdd(const_cast<int*>(sync), 1); }

@@ -5,9 +5,6 @@
 #define LILY_SYNC_METAL_H
 
 #define LILY_SYNC_PTR(p) ((device atomic_int*)(p))
-// sync_cuda.h's experiment delay: Metal has no sleep, so it is none.
-#define LILY_GU_STAGE_DELAY_NS 0
-LILY_INLINE void lily_sleep_ns(unsigned) {}
 #define LILY_DEVICE_BARRIER() threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
 LILY_INLINE void lily_device_fence() {
   atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);

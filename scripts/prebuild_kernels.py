@@ -42,8 +42,8 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
-    ("", "moe_chain.PERSIST=1", ""), ("", "moe_chain.PERSIST=1", "LILY_CHAIN_TRACE=4096"),
-    ("", "", "LILY_GU_STAGE_DELAY_NS=2000"), ("", "", "LILY_GU_STAGE_DELAY_NS=2000,LILY_CHAIN_TRACE=4096"),
+    ("", "moe_chain.NW_COPIES=8", ""),
+    ("", "moe_chain.NW_COPIES=8", "LILY_CHAIN_TRACE=4096"),
 ]
 CONTEXTS = (64, 4096)
 

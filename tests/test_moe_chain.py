@@ -49,22 +49,19 @@ def _check(c, a, router, y, logits, packed):
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
 def test_chain_emulated_matches_oracle(tmp_path):
     """Every case, at its plan and at the 35B-A3B block size (8 warps), half of them with the threadgroups run last
-    first; the counters come back zero. With PERSIST (moe_chain.PERSIST) the blocks take items until none is left:
-    a grid of a block an item, and one of 2 blocks for 3 tokens' items."""
+    first; the counters come back zero."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []  # packed weights too, bit for bit the same
-    # A run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), then PERSIST's.
-    runs = [(r, None, False, False, None) for r in CHAIN] + [
-        (CHAIN[2], {"rps": 2, "warps": 8}, False, False, None), (CHAIN[0], None, True, False, None),
-        (CHAIN[3], None, False, True, None), (CHAIN[1], None, False, True, 2)]
-    for n, ((c, rbits, rgs), forced, prefetch, persist, blocks) in enumerate(runs):
+    # The last run with chain_prefetch's L2 hints (none on Metal: the same values, through the same body).
+    runs = [(r, None, False) for r in CHAIN] + [(CHAIN[2], {"rps": 2, "warps": 8}, False), (CHAIN[0], None, True)]
+    for n, ((c, rbits, rgs), forced, prefetch) in enumerate(runs):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
         a, router = _case(c), _router(c, rbits, rgs)
         p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits, **(forced or {}))
         inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p,
-                                  prefetch=prefetch, persist=persist)
+                                  prefetch=prefetch)
         args = _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)]
         threads = 32 * p["WARPS"]
-        emu.add(moe_chain.SPEC, inst, args, ((blocks or p["blocks"]) * threads, 1, 1), (threads, 1, 1),
+        emu.add(moe_chain.SPEC, inst, args, (p["blocks"] * threads, 1, 1), (threads, 1, 1),
                 [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n % 2 == 1,
                 read_back=(len(args) - 1,))
         checks.append((c, a, router))
@@ -180,20 +177,6 @@ def test_chain_prefetch_switch_reaches_the_template():
     with ops.switched("chain_prefetch", True):
         assert dict(moe_chain._launch(*args)[0])["PF"] == 1
     assert dict(moe_chain._launch(*args)[0])["PF"] == 0
-
-
-def test_persist_plan_reaches_the_template(kernel_env):
-    """LILY_MLX_PLAN=moe_chain.PERSIST=1 builds the launch with PERSIST = 1, capped at the default build's 96
-    registers (NVRTC took the item loop to 128: 4 blocks an SM, phase 1 in two waves); unset, PERSIST = 0, no cap."""
-    args = _launch_args(*ROUTED_MODEL[0])
-    template = dict(moe_chain._launch(*args)[0])
-    assert template["PERSIST"] == 0 and kernels.register_cap(moe_chain.SPEC, template) == 0
-    kernel_env(kernels.PLAN_ENV, "moe_chain.PERSIST=1")
-    template = dict(moe_chain._launch(*args)[0])
-    assert template["PERSIST"] == 1 and kernels.register_cap(moe_chain.SPEC, template) == moe_chain.TRACE_REGISTERS
-    kernel_env(kernels.PLAN_ENV, "moe_chain.PERSIST=2")
-    with pytest.raises(ValueError, match="PERSIST must be a power of two from 1 to 1"):
-        moe_chain._launch(*args)
 
 
 @pytest.mark.cuda

@@ -592,8 +592,7 @@ PLAN_ENV = "LILY_MLX_PLAN"
 PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
 PLANNED["attn_chain"] = ("BLOCKS",)  # the attention phase's blocks to aim for when it splits a cache
 PLANNED["attn_decode"] = ("STAGE_ROWS",)  # the cached positions a split needs for its rows to go through shared memory
-PLANNED["moe_chain"] = ("PERSIST",)  # 1: its blocks take items until none is left (an experiment)
-PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20, "PERSIST": 1}
+PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20}
 
 
 @functools.lru_cache(maxsize=None)
@@ -601,9 +600,7 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     """$LILY_MLX_PLAN ("kernel.PARAM=N,...") as {kernel: {PARAM: N}}: a launch shape an experiment sets where a
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
-    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS). Two more
-    choices: attn_decode.STAGE_ROWS (the positions a split needs to stage its rows) and moe_chain.PERSIST=1 (its
-    blocks take items until none is left, an experiment)."""
+    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS)."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):

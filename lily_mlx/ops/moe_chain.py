@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import enabled, kernels, metal_source, moe, register_kernel, register_switch
 
-SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF", "PERSIST")
+SPEC_PARAMS = moe.GATE_UP_PARAMS + ("DLANES", "DRPS", "RBITS", "RGS", "RROWS", "PF")
 # H100 run 36 (ncu): moe_chain reads 16.5 MB a layer in 39.7 us (0.42 TB/s), its phases waiting on one another.
 # With chain_prefetch, phase 1 asks the L2 for the down weights phase 2 will read (kernels/moe_chain.inc, PF); the
 # DeltaNet and attention chains take the same switch (their state, cache and output projection).
@@ -77,8 +77,7 @@ def unsupported(x, norm, router, gate, up, down, shared_gate, shared_up, shared_
 
 def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_bits, router_group, *, norm_dtype=None,
              eps=1e-6, normalize=True, router_scale_dtype=mx.bfloat16, p: Optional[dict] = None,
-             prefetch: bool = False, persist: bool = False) -> kernels.Instance:
-    """persist: blocks take items until none is left (PERSIST; persist_planned())."""
+             prefetch: bool = False) -> kernels.Instance:
     LS = E + 1
     p = p or plan(M, K, H, I, IS, LS, bits, router_bits)
     gate_up = moe.gate_up_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size,
@@ -86,17 +85,11 @@ def instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, router_b
                                    plan=p["gate_up"])
     down = moe.down_instance(x_dtype, scale_dtype, M, K, E, H, I, IS, bits, group_size, LS=LS, plan=p["down"])
     template = gate_up.template + (("DLANES", p["down"]["LANES"]), ("DRPS", p["down"]["RPS"]), ("RBITS", router_bits),
-                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)),
-                                   ("PERSIST", int(persist)))
+                                   ("RGS", router_group), ("RROWS", p["RROWS"]), ("PF", int(prefetch)))
     router = ((mx.uint32, (LS, H * router_bits // 32)), (router_scale_dtype, (LS, H // router_group)),
               (router_scale_dtype, (LS, H // router_group)))
     inputs = gate_up.inputs[:2] + router + gate_up.inputs[3:] + down.inputs[5:11] + ((mx.int32, (kernels.SYNC_SLOTS,)),)
     return kernels.Instance(template, inputs, (x_dtype, x_dtype, mx.float32))
-
-
-def persist_planned() -> bool:
-    """$LILY_MLX_PLAN's moe_chain.PERSIST=1, else False."""
-    return bool(kernels.plan_overrides().get("moe_chain", {}).get("PERSIST", 0))
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, packed width), or None
@@ -105,7 +98,7 @@ _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, LS, pa
 def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, top_k, normalize, group_size, bits):
     key = (moe._signature(x, *router[:3], *gate, *up, *down, *shared_gate, *shared_up, *shared_down), router[3:],
            None if norm is None else (norm[0].shape, norm[0].dtype, norm[1]), top_k, normalize, group_size, bits,
-           persist_planned(), enabled("chain_prefetch"))
+           enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -118,7 +111,7 @@ def _launch(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down
         p = plan(M, K, H, I, IS, LS, bits, router[3])
         inst = instance(x.dtype, gate[1].dtype, M, K, E, H, I, IS, bits, group_size, router[3], router[4],
                         norm_dtype=norm[0].dtype, eps=norm[1], normalize=normalize, router_scale_dtype=router[1].dtype,
-                        p=p, prefetch=key[-1], persist=key[-2])
+                        p=p, prefetch=key[-1])
         threads = 32 * p["WARPS"]
         launch = (list(inst.template), (p["blocks"] * threads, 1, 1), (threads, 1, 1), LS, moe.packed_width(K, I, IS))
     _LAUNCH[key] = launch
@@ -144,7 +137,7 @@ def chain(x, norm, router, gate, up, down, shared_gate, shared_up, shared_down, 
 
 def _instances() -> list[kernels.Instance]:
     """The model's (8-bit router, group 64) and the test shapes' (4- and 8-bit routers); chain_prefetch's at every
-    shape for one token in bf16; PERSIST's at the first."""
+    shape for one token in bf16."""
     insts = []
     for (x_dt, scale_dt, M, K, E, H, I, IS, bits, gs) in moe._combos():
         if H % 64 == 0:
@@ -153,19 +146,16 @@ def _instances() -> list[kernels.Instance]:
                                       prefetch=prefetch))
         if H % 32 == 0:
             insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 4, 32, normalize=K != 3))
-    x_dt, scale_dt, M, K, E, H, I, IS, bits, gs = moe._combos()[0]
-    insts.append(instance(x_dt, scale_dt, M, K, E, H, I, IS, bits, gs, 8, 64, normalize=K != 3, persist=True))
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
 # Under LILY_CHAIN_TRACE the records took 128 registers a lane (4 blocks an SM, so phase 1 ran in two waves) where the
-# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's. So is
-# PERSIST's, whose item loop NVRTC also built at 128.
+# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's.
 TRACE_REGISTERS = 96
 
 
 def _register_cap(template: dict) -> int:
-    return TRACE_REGISTERS if kernels.chain_trace_blocks() or template.get("PERSIST") else 0
+    return TRACE_REGISTERS if kernels.chain_trace_blocks() else 0
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
