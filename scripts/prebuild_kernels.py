@@ -42,8 +42,6 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
-    ("", "moe_chain.NW_COPIES=8", ""),
-    ("", "moe_chain.NW_COPIES=8", "LILY_CHAIN_TRACE=4096"),
 ]
 CONTEXTS = (64, 4096)
 

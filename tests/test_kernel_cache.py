@@ -240,3 +240,25 @@ def test_cached_kernel_equals_mlx_build_cuda(tmp_path):
     (names,) = list(cache.rglob("*.txt"))
     names.write_text(names.read_text().split("\t")[0] + "\tlily_no_such_kernel\n")
     assert "cuModuleGetFunction" in _run_gpu(cache, "mlx", str(tmp_path / "spoilt.npy"), ok=False)
+
+
+def test_prebuild_configurations_are_ones_the_variables_accept(kernel_env):
+    """Every configuration scripts/prebuild_kernels.py builds names registered switches, a LILY_MLX_PLAN and a
+    LILY_MLX_KERNEL_DEFINES the package accepts: a removed experiment left there fails here, not four minutes into a
+    build."""
+    import importlib.util
+
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "prebuild_kernels.py"
+    spec = importlib.util.spec_from_file_location("prebuild_kernels", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for switches, plan, defines in tool.CONFIGS:
+        for name in filter(None, switches.split(",")):
+            assert name.lstrip("-") in ops.KERNEL_NAMES, f"{path.name}: {name!r} is no switch"
+        kernel_env(kernels.PLAN_ENV, plan or None)
+        kernels.plan_overrides()
+        kernel_env(kernels.DEFINES_ENV, defines or None)
+        kernels.experiment_values()
