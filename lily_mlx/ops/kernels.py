@@ -600,7 +600,8 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     """$LILY_MLX_PLAN ("kernel.PARAM=N,...") as {kernel: {PARAM: N}}: a launch shape an experiment sets where a
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
-    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS)."""
+    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS). One more
+    choice: attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
