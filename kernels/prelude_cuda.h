@@ -84,6 +84,20 @@ LILY_INLINE void lily_pin(__nv_bfloat16& v) { asm volatile("" : "+h"(*reinterpre
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
+// 16 bytes of device memory into shared memory with no register in between (cp.async, through L2: a chain's earlier
+// phase wrote them), and the wait for a thread's copies; both addresses 16-byte aligned. Experiment define
+// LILY_STAGE_ASYNC (0: off) stages moe_down_combine's packed h so: through registers, NVCC issued its 9 float4s a
+// thread in three batches, each behind the one before (three L2 trips after phase 2's wait, moe_chain at 96 registers).
+#ifndef LILY_STAGE_ASYNC
+#define LILY_STAGE_ASYNC 0
+#endif
+LILY_INLINE void lily_copy16_async(float4* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+LILY_INLINE void lily_copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Float math at full precision (the DeltaNet gates and norms).
 LILY_INLINE float lily_exp(float v) { return expf(v); }
 LILY_INLINE float lily_log(float v) { return logf(v); }

@@ -46,6 +46,15 @@ template <typename V> LILY_INLINE void lily_pin(thread V&) {}  // prelude_cuda.h
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
+// prelude_cuda.h's copy to shared memory: a plain one here (the same values, the same slots).
+#ifndef LILY_STAGE_ASYNC
+#define LILY_STAGE_ASYNC 0
+#endif
+template <typename TP> LILY_INLINE void lily_copy16_async(LILY_TG_PTR float4* dst, TP src) {
+  *dst = float4(src[0], src[1], src[2], src[3]);
+}
+LILY_INLINE void lily_copy_async_wait() {}
+
 // exp and rsqrt precise whatever the fast-math setting (DeltaNet gates and norms); log only sees [1, 2].
 LILY_INLINE float lily_exp(float v) { return metal::precise::exp(v); }
 LILY_INLINE float lily_log(float v) { return metal::log(v); }

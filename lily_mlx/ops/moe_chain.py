@@ -150,12 +150,14 @@ def _instances() -> list[kernels.Instance]:
 
 
 # Under LILY_CHAIN_TRACE the records took 128 registers a lane (4 blocks an SM, so phase 1 ran in two waves) where the
-# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's.
+# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's. So is
+# LILY_STAGE_ASYNC's (phase 2's h copied to shared memory with cp.async), which NVCC took to 127; capped, no spill.
 TRACE_REGISTERS = 96
 
 
 def _register_cap(template: dict) -> int:
-    return TRACE_REGISTERS if kernels.chain_trace_blocks() else 0
+    capped = kernels.chain_trace_blocks() or kernels.experiment_values().get("LILY_STAGE_ASYNC", "0") != "0"
+    return TRACE_REGISTERS if capped else 0
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
