@@ -96,6 +96,16 @@ LILY_INLINE void lily_copy16_async(float4* dst, const float* src) {
                "l"(src)
                : "memory");
 }
+// 4 bytes likewise (cp.async.ca): experiment define LILY_ROUTER_ASYNC (0: off) takes moe_chain's router scales and
+// biases so, ahead of the stage: ptxas issued their loads only after the norm's shuffles, a DRAM trip after x's.
+#ifndef LILY_ROUTER_ASYNC
+#define LILY_ROUTER_ASYNC 0
+#endif
+template <typename V> LILY_INLINE void lily_copy4_async(V* dst, const V* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
 LILY_INLINE void lily_copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Float math at full precision (the DeltaNet gates and norms).

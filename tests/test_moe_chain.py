@@ -71,11 +71,14 @@ def test_chain_emulated_matches_oracle(tmp_path):
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_chain_emulated_stage_async(tmp_path, kernel_env):
-    """LILY_STAGE_ASYNC=1 (phase 2 copies each thread's float4s of h into their slots, cp.async on CUDA, then reads them
-    back there for the chunk sums): the same outputs, where every token's row is 16-byte aligned (k = 2) and where it
-    is not and the copies stay in registers (k = 3)."""
-    kernel_env(kernels.DEFINES_ENV, "LILY_STAGE_ASYNC=1")
+@pytest.mark.parametrize("define", ["LILY_STAGE_ASYNC=1", "LILY_ROUTER_ASYNC=1"])
+def test_chain_emulated_async(tmp_path, kernel_env, define):
+    """The cp.async experiments (plain copies on Metal), each on a case that takes its path and one that keeps the
+    registers: LILY_STAGE_ASYNC=1, phase 2 copies each thread's float4s of h into their slots and reads them back
+    there for the chunk sums, where every token's row is 16-byte aligned (k = 2, not k = 3); LILY_ROUTER_ASYNC=1,
+    phase 0 copies its rows' router scales and biases into shared memory, where a row's are whole 4-byte words (2
+    groups of bf16, not 3)."""
+    kernel_env(kernels.DEFINES_ENV, define)
     emu, checks = Emulator(tmp_path), []
     for n, (c, rbits, rgs) in enumerate((CHAIN[1], CHAIN[4])):
         M, k, E, H, I, IS, gs, bits, dt = c[:9]
