@@ -86,21 +86,17 @@ LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
 // 16 bytes of device memory into shared memory with no register in between (cp.async, through L2: a chain's earlier
 // phase wrote them), and the wait for a thread's copies; both addresses 16-byte aligned. Experiment define
-// LILY_STAGE_ASYNC (0: off) stages moe_down_combine's packed h so: through registers, NVCC issued its 9 float4s a
-// thread in three batches, each behind the one before (three L2 trips after phase 2's wait, moe_chain at 96 registers).
-#ifndef LILY_STAGE_ASYNC
-#define LILY_STAGE_ASYNC 0
-#endif
+// LILY_STAGE_ASYNC (prelude_common.h) stages moe_down_combine's packed h so: through registers, NVCC issued its 9
+// float4s a thread in three batches, each behind the one before (three L2 trips after phase 2's wait, moe_chain at 96
+// registers).
 LILY_INLINE void lily_copy16_async(float4* dst, const float* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
                "l"(src)
                : "memory");
 }
-// 4 bytes likewise (cp.async.ca): experiment define LILY_ROUTER_ASYNC (0: off) takes moe_chain's router scales and
-// biases so, ahead of the stage: ptxas issued their loads only after the norm's shuffles, a DRAM trip after x's.
-#ifndef LILY_ROUTER_ASYNC
-#define LILY_ROUTER_ASYNC 0
-#endif
+// 4 bytes likewise (cp.async.ca): experiment define LILY_ROUTER_ASYNC (prelude_common.h) takes moe_chain's router
+// scales and biases so, ahead of the stage: ptxas issued their loads only after the norm's shuffles, a DRAM trip
+// after x's.
 template <typename V> LILY_INLINE void lily_copy4_async(V* dst, const V* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
                "l"(src)

@@ -47,15 +47,9 @@ template <typename V> LILY_INLINE void lily_pin(thread V&) {}  // prelude_cuda.h
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
 // prelude_cuda.h's copy to shared memory: a plain one here (the same values, the same slots).
-#ifndef LILY_STAGE_ASYNC
-#define LILY_STAGE_ASYNC 0
-#endif
 template <typename TP> LILY_INLINE void lily_copy16_async(LILY_TG_PTR float4* dst, TP src) {
   *dst = float4(src[0], src[1], src[2], src[3]);
 }
-#ifndef LILY_ROUTER_ASYNC
-#define LILY_ROUTER_ASYNC 0
-#endif
 template <typename V, typename TP> LILY_INLINE void lily_copy4_async(LILY_TG_PTR V* dst, TP src) {
   for (int i = 0; i < int(4 / sizeof(V)); ++i) dst[i] = src[i];
 }
