@@ -395,6 +395,11 @@ LILY_INLINE float lily_warp_max(float v) {
 #define LILY_ROUTER_ASYNC 0
 #endif
 
+// deltanet_step.inc's gates and z loaded with the conv's inputs, 0 by default until a GPU has timed it.
+#ifndef LILY_DN_GATES_EARLY
+#define LILY_DN_GATES_EARLY 0
+#endif
+
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS
 // 0) where one row of each does not fit there, or REP is 0.

@@ -44,6 +44,7 @@ CONFIGS = [
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
     ("", "", "LILY_STAGE_ASYNC=1"), ("", "", "LILY_STAGE_ASYNC=1,LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ROUTER_ASYNC=1"),
     ("", "", "LILY_ROUTER_ASYNC=1,LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ROUTER_ASYNC=1,LILY_STAGE_ASYNC=1"),
+    ("", "", "LILY_DN_GATES_EARLY=1"), ("", "", "LILY_DN_GATES_EARLY=1,LILY_CHAIN_TRACE=4096"),
 ]
 CONTEXTS = (64, 4096)
 
