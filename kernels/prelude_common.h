@@ -399,6 +399,10 @@ LILY_INLINE float lily_warp_max(float v) {
 #ifndef LILY_DN_GATES_EARLY
 #define LILY_DN_GATES_EARLY 0
 #endif
+// qmv.inc's second half of a block's warps issuing their weight loads this many ns after the first half's (0: at once).
+#ifndef LILY_QMV_STAGGER_NS
+#define LILY_QMV_STAGGER_NS 0
+#endif
 
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS

@@ -103,6 +103,8 @@ template <typename V> LILY_INLINE void lily_copy4_async(V* dst, const V* src) {
                : "memory");
 }
 LILY_INLINE void lily_copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// A warp's pause of about ns (at most twice it): experiment define LILY_QMV_STAGGER_NS (qmv.inc).
+LILY_INLINE void lily_sleep_ns(unsigned ns) { __nanosleep(ns); }
 
 // Float math at full precision (the DeltaNet gates and norms).
 LILY_INLINE float lily_exp(float v) { return expf(v); }

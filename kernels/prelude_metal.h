@@ -54,6 +54,7 @@ template <typename V, typename TP> LILY_INLINE void lily_copy4_async(LILY_TG_PTR
   for (int i = 0; i < int(4 / sizeof(V)); ++i) dst[i] = src[i];
 }
 LILY_INLINE void lily_copy_async_wait() {}
+LILY_INLINE void lily_sleep_ns(unsigned) {}  // Metal has no sleep: prelude_cuda.h's pause is a CUDA experiment
 
 // exp and rsqrt precise whatever the fast-math setting (DeltaNet gates and norms); log only sees [1, 2].
 LILY_INLINE float lily_exp(float v) { return metal::precise::exp(v); }
