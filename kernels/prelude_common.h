@@ -399,6 +399,10 @@ LILY_INLINE float lily_warp_max(float v) {
 #ifndef LILY_DN_GATES_EARLY
 #define LILY_DN_GATES_EARLY 0
 #endif
+// qmv.inc's x (and norm weight) copied into shared memory by cp.async, ahead of the weights (0: loaded into registers).
+#ifndef LILY_QMV_X_ASYNC
+#define LILY_QMV_X_ASYNC 0
+#endif
 // qmv.inc's second half of a block's warps issuing their weight loads this many ns after the first half's (0: at once).
 #ifndef LILY_QMV_STAGGER_NS
 #define LILY_QMV_STAGGER_NS 0

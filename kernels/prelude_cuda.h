@@ -102,6 +102,15 @@ template <typename V> LILY_INLINE void lily_copy4_async(V* dst, const V* src) {
                "l"(src)
                : "memory");
 }
+// 4 elements of V (8 or 16 bytes) likewise (cp.async.ca), both addresses aligned to their size: experiment define
+// LILY_QMV_X_ASYNC (prelude_common.h) takes qmv's x so.
+template <typename V> LILY_INLINE void lily_copy_vec4_async(V* dst, const V* src) {
+  static_assert(sizeof(V) == 2 || sizeof(V) == 4, "lily_copy_vec4_async: 2- or 4-byte elements");
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (sizeof(V) == 2) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+template <int N, typename P> LILY_INLINE bool lily_aligned(P p) { return reinterpret_cast<uintptr_t>(p) % N == 0; }
 LILY_INLINE void lily_copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // A warp's pause of about ns (at most twice it): experiment define LILY_QMV_STAGGER_NS (qmv.inc).
 LILY_INLINE void lily_sleep_ns(unsigned ns) { __nanosleep(ns); }

@@ -53,6 +53,10 @@ template <typename TP> LILY_INLINE void lily_copy16_async(LILY_TG_PTR float4* ds
 template <typename V, typename TP> LILY_INLINE void lily_copy4_async(LILY_TG_PTR V* dst, TP src) {
   for (int i = 0; i < int(4 / sizeof(V)); ++i) dst[i] = src[i];
 }
+template <typename V, typename TP> LILY_INLINE void lily_copy_vec4_async(LILY_TG_PTR V* dst, TP src) {
+  for (int i = 0; i < 4; ++i) dst[i] = src[i];
+}
+template <int N, typename P> LILY_INLINE bool lily_aligned(P) { return true; }  // plain copies: any address
 LILY_INLINE void lily_copy_async_wait() {}
 LILY_INLINE void lily_sleep_ns(unsigned) {}  // Metal has no sleep: prelude_cuda.h's pause is a CUDA experiment
 
