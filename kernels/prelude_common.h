@@ -386,28 +386,6 @@ LILY_INLINE float lily_warp_max(float v) {
   }                                        \
   LILY_DEVICE_BARRIER();
 
-// The cp.async experiments (prelude_cuda.h's lily_copy16_async and lily_copy4_async, plain copies on Metal), 0 by
-// default until a GPU has timed them: moe_down_combine's packed h, moe_chain's router scales and biases.
-#ifndef LILY_STAGE_ASYNC
-#define LILY_STAGE_ASYNC 0
-#endif
-#ifndef LILY_ROUTER_ASYNC
-#define LILY_ROUTER_ASYNC 0
-#endif
-
-// deltanet_step.inc's gates and z loaded with the conv's inputs, 0 by default until a GPU has timed it.
-#ifndef LILY_DN_GATES_EARLY
-#define LILY_DN_GATES_EARLY 0
-#endif
-// qmv.inc's x (and norm weight) copied into shared memory by cp.async, ahead of the weights (0: loaded into registers).
-#ifndef LILY_QMV_X_ASYNC
-#define LILY_QMV_X_ASYNC 0
-#endif
-// qmv.inc's second half of a block's warps issuing their weight loads this many ns after the first half's (0: at once).
-#ifndef LILY_QMV_STAGGER_NS
-#define LILY_QMV_STAGGER_NS 0
-#endif
-
 // attn_decode.inc's stage of cached K/V rows in shared memory, in the space of its REP query heads' D floats: ROWS
 // rows of K then ROWS of V as 16-byte words (ROW_WORDS a row), at most WPT words a thread of its NT. No stage (ROWS
 // 0) where one row of each does not fit there, or REP is 0.

@@ -84,37 +84,6 @@ LILY_INLINE void lily_pin(__nv_bfloat16& v) { asm volatile("" : "+h"(*reinterpre
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
-// 16 bytes of device memory into shared memory with no register in between (cp.async, through L2: a chain's earlier
-// phase wrote them), and the wait for a thread's copies; both addresses 16-byte aligned. Experiment define
-// LILY_STAGE_ASYNC (prelude_common.h) stages moe_down_combine's packed h so: through registers, NVCC issued its 9
-// float4s a thread in three batches, each behind the one before (three L2 trips after phase 2's wait, moe_chain at 96
-// registers).
-LILY_INLINE void lily_copy16_async(float4* dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-// 4 bytes likewise (cp.async.ca): experiment define LILY_ROUTER_ASYNC (prelude_common.h) takes moe_chain's router
-// scales and biases so, ahead of the stage: ptxas issued their loads only after the norm's shuffles, a DRAM trip
-// after x's.
-template <typename V> LILY_INLINE void lily_copy4_async(V* dst, const V* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-// 4 elements of V (8 or 16 bytes) likewise (cp.async.ca), both addresses aligned to their size: experiment define
-// LILY_QMV_X_ASYNC (prelude_common.h) takes qmv's x so.
-template <typename V> LILY_INLINE void lily_copy_vec4_async(V* dst, const V* src) {
-  static_assert(sizeof(V) == 2 || sizeof(V) == 4, "lily_copy_vec4_async: 2- or 4-byte elements");
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if (sizeof(V) == 2) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-template <int N, typename P> LILY_INLINE bool lily_aligned(P p) { return reinterpret_cast<uintptr_t>(p) % N == 0; }
-LILY_INLINE void lily_copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// A warp's pause of about ns (at most twice it): experiment define LILY_QMV_STAGGER_NS (qmv.inc).
-LILY_INLINE void lily_sleep_ns(unsigned ns) { __nanosleep(ns); }
-
 // Float math at full precision (the DeltaNet gates and norms).
 LILY_INLINE float lily_exp(float v) { return expf(v); }
 LILY_INLINE float lily_log(float v) { return logf(v); }

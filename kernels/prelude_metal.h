@@ -46,20 +46,6 @@ template <typename V> LILY_INLINE void lily_pin(thread V&) {}  // prelude_cuda.h
 
 LILY_INLINE int lily_min(int a, int b) { return a < b ? a : b; }
 
-// prelude_cuda.h's copy to shared memory: a plain one here (the same values, the same slots).
-template <typename TP> LILY_INLINE void lily_copy16_async(LILY_TG_PTR float4* dst, TP src) {
-  *dst = float4(src[0], src[1], src[2], src[3]);
-}
-template <typename V, typename TP> LILY_INLINE void lily_copy4_async(LILY_TG_PTR V* dst, TP src) {
-  for (int i = 0; i < int(4 / sizeof(V)); ++i) dst[i] = src[i];
-}
-template <typename V, typename TP> LILY_INLINE void lily_copy_vec4_async(LILY_TG_PTR V* dst, TP src) {
-  for (int i = 0; i < 4; ++i) dst[i] = src[i];
-}
-template <int N, typename P> LILY_INLINE bool lily_aligned(P) { return true; }  // plain copies: any address
-LILY_INLINE void lily_copy_async_wait() {}
-LILY_INLINE void lily_sleep_ns(unsigned) {}  // Metal has no sleep: prelude_cuda.h's pause is a CUDA experiment
-
 // exp and rsqrt precise whatever the fast-math setting (DeltaNet gates and norms); log only sees [1, 2].
 LILY_INLINE float lily_exp(float v) { return metal::precise::exp(v); }
 LILY_INLINE float lily_log(float v) { return metal::log(v); }

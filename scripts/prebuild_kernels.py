@@ -42,11 +42,6 @@ CONFIGS = [
     ("", "", ""), (UNCHAINED, "", ""), (UNCHAINED + ",packed_weights", "", ""), ("-kv_scatter", "", ""),
     ("-device_scalars", "", ""), ("-bundled_weights", "", ""), ("-deltanet_chain_out,deltanet_chain", "", ""),
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
-    ("", "", "LILY_STAGE_ASYNC=1"), ("", "", "LILY_STAGE_ASYNC=1,LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ROUTER_ASYNC=1"),
-    ("", "", "LILY_ROUTER_ASYNC=1,LILY_CHAIN_TRACE=4096"), ("", "", "LILY_ROUTER_ASYNC=1,LILY_STAGE_ASYNC=1"),
-    ("", "", "LILY_DN_GATES_EARLY=1"), ("", "", "LILY_DN_GATES_EARLY=1,LILY_CHAIN_TRACE=4096"),
-    ("", "", "LILY_QMV_STAGGER_NS=500"), ("", "", "LILY_QMV_STAGGER_NS=1000"),
-    ("", "", "LILY_QMV_STAGGER_NS=500,LILY_CHAIN_TRACE=4096"), ("", "", "LILY_QMV_X_ASYNC=1"),
 ]
 CONTEXTS = (64, 4096)
 

@@ -105,14 +105,11 @@ def _emulated_launch(case, inputs, fold, prefetch=False, sms=None, kv_write=Fals
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("stage, define", [(False, None), (True, None), (False, "LILY_QMV_X_ASYNC=1")],
-                         ids=["rows", "staged", "rows-x-async"])
-def test_chain_emulated_matches_reference(tmp_path, kernel_env, stage, define):
+@pytest.mark.parametrize("stage", [False, True], ids=["rows", "staged"])
+def test_chain_emulated_matches_reference(tmp_path, stage):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
     whose weights pack also with packed weights, bit for bit the same. Both with the split's cached rows read by each
-    warp and staged in shared memory (STAGE, which the planner takes for long splits only), and with the projection's
-    x copied into shared memory (LILY_QMV_X_ASYNC: plain copies on Metal, read back from their slots)."""
-    kernel_env(kernels.DEFINES_ENV, define)
+    warp and staged in shared memory (STAGE, which the planner takes for long splits only)."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and one planned
     # for a GPU of 2 SMs (the projection's 288 one-warp blocks fitted to one wave: 9 rows a lane segment, not 1).

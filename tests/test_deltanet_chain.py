@@ -84,12 +84,9 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("define", [None, "LILY_QMV_X_ASYNC=1"])
-def test_chain_emulated_matches_reference(tmp_path, kernel_env, define):
+def test_chain_emulated_matches_reference(tmp_path):
     """Both variants, every case, threadgroups in index order or last first; the counters come back zero; the cases
-    whose weights pack also with packed weights, bit for bit the same. Also with the projection's x and norm weight
-    copied into shared memory (LILY_QMV_X_ASYNC: plain copies on Metal, read back from their slots)."""
-    kernel_env(kernels.DEFINES_ENV, define)
+    whose weights pack also with packed weights, bit for bit the same."""
     emu, checks = Emulator(tmp_path, packed_twins=True), []
     # Every case, then two with chain_prefetch's L2 hints (none on Metal: the same values, through the same body), and
     # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).

@@ -20,7 +20,6 @@ from lily_mlx import ops
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.model import GatedDeltaNet
 from lily_mlx.ops import deltanet_step as ds
-from lily_mlx.ops import kernels
 from lily_mlx.ops import reference
 from emulator import GXX, Emulator
 
@@ -153,13 +152,14 @@ def _arrays(case, tok, params, conv_state, state):
     return [proj, conv_w, conv_state, A_log, dt_bias, norm_w, state, mx.array([True]) if mask is None else mask]
 
 
-def _emulated_steps(tmp_path, cases):
+@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
     """STEPS consecutive steps per case, each step's launch fed the previous step's kernel outputs."""
     worst = {}
-    states = {c: case.initial(c) for c, case in enumerate(cases)}
+    states = {c: case.initial(c) for c, case in enumerate(EMULATED)}
     for step in range(STEPS):
         emu, inputs = Emulator(tmp_path), []
-        for c, case in enumerate(cases):
+        for c, case in enumerate(EMULATED):
             inst = ds.instance(*case.dtypes, case.B, case.Hk, case.Hv, case.Dk, case.Dv, case.W,
                                case.masks is not None, case.eps, case.launch)
             threads = 32 * (case.launch or ds.plan(case.Dk, case.Dv))["WARPS"]
@@ -170,24 +170,11 @@ def _emulated_steps(tmp_path, cases):
                     (threads, 1, 1), out_shapes)
             inputs.append((tok, params))
         for c, (got, (tok, params)) in enumerate(zip(emu.run(), inputs)):
-            case = cases[c]
+            case = EMULATED[c]
             errs = _check_step(case, step, tuple(got), tok, params, *states[c])
             worst[repr(case)] = tuple(max(e, w) for e, w in zip(errs, worst.get(repr(case), (0.0,) * 4)))
             states[c] = (got[1], got[2])  # the next step starts from the kernel's own outputs
     print("max rel err (out, state vs fp32 reference; out, state vs same-dtype reference):", worst)
-
-
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
-    _emulated_steps(tmp_path, EMULATED)
-
-
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_deltanet_step_emulated_gates_early(tmp_path, kernel_env):
-    """LILY_DN_GATES_EARLY=1 (the gates and z loaded before the conv's barrier): masked rows, several tokens, and a
-    block of fewer threads than DV (z's later rows from the loop's own loads)."""
-    kernel_env(kernels.DEFINES_ENV, "LILY_DN_GATES_EARLY=1")
-    _emulated_steps(tmp_path, [EMULATED[1], EMULATED[5], Case(1, 2, 4, 32, 48, launch={"WARPS": 1, "RB": 4}, tokens=2)])
 
 
 # ---- GPU: the kernel through MLX ------------------------------------------------------------------

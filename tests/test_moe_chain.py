@@ -70,31 +70,6 @@ def test_chain_emulated_matches_oracle(tmp_path):
         assert not np.array(sync).any(), f"{_id(c)}: counters left at {np.array(sync)}"
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-@pytest.mark.parametrize("define", ["LILY_STAGE_ASYNC=1", "LILY_ROUTER_ASYNC=1"])
-def test_chain_emulated_async(tmp_path, kernel_env, define):
-    """The cp.async experiments (plain copies on Metal), each on a case that takes its path and one that keeps the
-    registers: LILY_STAGE_ASYNC=1, phase 2 copies each thread's float4s of h into their slots and reads them back
-    there for the chunk sums, where every token's row is 16-byte aligned (k = 2, not k = 3); LILY_ROUTER_ASYNC=1,
-    phase 0 copies its rows' router scales and biases into shared memory, where a row's are whole 4-byte words (2
-    groups of bf16, not 3)."""
-    kernel_env(kernels.DEFINES_ENV, define)
-    emu, checks = Emulator(tmp_path), []
-    for n, (c, rbits, rgs) in enumerate((CHAIN[1], CHAIN[4])):
-        M, k, E, H, I, IS, gs, bits, dt = c[:9]
-        a, router = _case(c), _router(c, rbits, rgs)
-        p = moe_chain.plan(M, k, H, I, IS, E + 1, bits, rbits)
-        inst = moe_chain.instance(dt, mx.bfloat16, M, k, E, H, I, IS, bits, gs, rbits, rgs, normalize=a["normalize"], p=p)
-        threads = 32 * p["WARPS"]
-        emu.add(moe_chain.SPEC, inst, _args(a, router) + [mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32)],
-                (p["blocks"] * threads, 1, 1), (threads, 1, 1),
-                [(M, H), (M, E + 1), (M, moe.packed_width(k, I, IS))], reversed_groups=n == 1)
-        checks.append((c, a, router))
-    assert [c[1] for c, _, _ in checks] == [2, 3]
-    for (c, a, router), (y, logits, packed) in zip(checks, emu.run()):
-        _check(c, a, router, y, logits, packed)
-
-
 def test_plan_shares_one_block_size():
     """The three phases run in blocks of one size: down's rows are planned for gate/up's warps, and the router's
     rows per block are a warp's rows in flight (one 16-byte chunk of 8-bit codes a lane: 4 chunks at H = 2048)."""

@@ -150,17 +150,12 @@ def _instances() -> list[kernels.Instance]:
 
 
 # Under LILY_CHAIN_TRACE the records took 128 registers a lane (4 blocks an SM, so phase 1 ran in two waves) where the
-# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's. So is
-# the cp.async experiments' (LILY_STAGE_ASYNC: phase 2's h, LILY_ROUTER_ASYNC: phase 0's router scales), which NVCC
-# took to 127 and 125.
+# default build takes 96 (5 an SM, one wave): the trace's build is capped there, so its waves are the default's.
 TRACE_REGISTERS = 96
-ASYNC_DEFINES = ("LILY_STAGE_ASYNC", "LILY_ROUTER_ASYNC")
 
 
 def _register_cap(template: dict) -> int:
-    defines = kernels.experiment_values()
-    capped = kernels.chain_trace_blocks() or any(defines.get(d, "0") != "0" for d in ASYNC_DEFINES)
-    return TRACE_REGISTERS if capped else 0
+    return TRACE_REGISTERS if kernels.chain_trace_blocks() else 0
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
