@@ -3,7 +3,6 @@ lily-tiny-4bit (MLX layout, 4-bit). The aliases resolve; lily_mlx reproduces sto
 token for token and matches stock mlx-lm, transformers and the training script's MTP head; the weights are
 trained (held-out loss, MTP acceptance); the tokenizer and chat template work."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,16 +14,14 @@ import pytest
 import torch
 
 import lily_mlx
+import script_tool
 from lily_mlx.embedded import EMBEDDED_4BIT_MODEL, EMBEDDED_MODEL, resolve_embedded
 from lily_mlx.loading import read_safetensors_header, resolve_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
 SENTENCE = "Return a new list containing all items from the iterable in ascending order."
 STATS = json.loads((EMBEDDED_MODEL / "training.json").read_text())
 GOLDENS = json.loads((Path(__file__).parent / "embedded_goldens.json").read_text())
-_spec = importlib.util.spec_from_file_location("record_goldens", ROOT / "scripts" / "record_goldens.py")
-record_goldens = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(record_goldens)
+record_goldens = script_tool.load("record_goldens")
 
 
 def rel(a, b) -> float:
@@ -192,9 +189,7 @@ def test_mtp_head_matches_training_script(ours_f32):
     """lily_mlx's MTP forward equals the torch head the model was trained with (scripts/train_tiny.py)."""
     from safetensors.torch import load_file
 
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
+    tt = script_tool.load("train_tiny")
     hf = _transformers(rounded_norms=True)
     mtp = tt.make_mtp(hf.config.text_config)
     state = load_file(str(EMBEDDED_MODEL / "model.safetensors"))

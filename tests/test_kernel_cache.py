@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import script_tool
 from emulator import GXX
 from lily_mlx import ops
 from lily_mlx.ops import kernel_cache, kernels, qmv
@@ -246,18 +247,10 @@ def test_prebuild_configurations_are_ones_the_variables_accept(kernel_env):
     """Every configuration scripts/prebuild_kernels.py builds names registered switches, a LILY_MLX_PLAN and a
     LILY_MLX_KERNEL_DEFINES the package accepts: a removed experiment left there fails here, not four minutes into a
     build."""
-    import importlib.util
-
-    from lily_mlx import ops
-    from lily_mlx.ops import kernels
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "prebuild_kernels.py"
-    spec = importlib.util.spec_from_file_location("prebuild_kernels", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = script_tool.load("prebuild_kernels")
     for switches, plan, defines in tool.CONFIGS:
         for name in filter(None, switches.split(",")):
-            assert name.lstrip("-") in ops.KERNEL_NAMES, f"{path.name}: {name!r} is no switch"
+            assert name.lstrip("-") in ops.KERNEL_NAMES, f"prebuild_kernels.py: {name!r} is no switch"
         kernel_env(kernels.PLAN_ENV, plan or None)
         kernels.plan_overrides()
         kernel_env(kernels.DEFINES_ENV, defines or None)

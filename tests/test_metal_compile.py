@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+import script_tool
 from emulator import GXX, SANITIZER_ENV, SHIM_DIR, Emulator, metal_unit, run, sanitizer_flags
 from lily_mlx import ops
 from lily_mlx.ops import kernels, metal_source, qmv, reference
@@ -399,13 +400,7 @@ def test_kernel_source_dir_falls_back_to_inline(monkeypatch, tmp_path):
 
 
 def _register_tool():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "cuda_registers.py"
-    spec_ = importlib.util.spec_from_file_location("cuda_registers", path)
-    tool = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(tool)
-    return tool
+    return script_tool.load("cuda_registers")
 
 
 def test_register_check_knows_every_kernels_block():
