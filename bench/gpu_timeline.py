@@ -84,12 +84,14 @@ def short_name(name: str) -> str:
     return m.group(1) if m else name[:70]
 
 
-def trace_steps(model, context: int, steps: int, vocab: int) -> list[tuple[str, float, float]]:
+def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1) -> list[tuple[str, float, float]]:
+    """The kernel records of `steps` pipelined steps: the compiled decode step at one token, MTP's compiled verify
+    forward (lily_mlx.speculative) over `tokens` new tokens otherwise."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from lily_mlx.decode import CompiledDecoder
+    from lily_mlx.decode import CompiledDecoder, CompiledVerifier
 
     from .profile_decode import greedy_next, prefilled_cache
 
@@ -97,7 +99,11 @@ def trace_steps(model, context: int, steps: int, vocab: int) -> list[tuple[str, 
         raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
     torch.cuda.init()
     cache = prefilled_cache(model, context, vocab)
-    dec = CompiledDecoder(model, cache, reserve=2 * steps + 16)
+    if tokens == 1:
+        dec = CompiledDecoder(model, cache, reserve=2 * steps + 16)
+    else:  # the verify's logits [1, 2, V] -> the last position's greedy token, fed back `tokens` times
+        verifier = CompiledVerifier(model, cache, reserve=(2 * steps + 16) * tokens)
+        dec = lambda tok: verifier(mx.repeat(tok.reshape(1, 1), tokens, axis=1))[1][:, -1]
     tok = mx.array([[1]])
     for _ in range(4):  # the trace and its compiles
         tok = greedy_next(dec(tok))
@@ -128,16 +134,20 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--context", type=int, nargs="+", default=[64])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1],
+                    help="tokens a step: 1 is the decode step, more MTP's verify forward over that many")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
               "lily_env": {k: v for k, v in os.environ.items() if k.startswith("LILY_")}, "contexts": []}
-    for ctx in args.context:
-        t = {"context": ctx, **timeline(trace_steps(model, ctx, args.steps, model.config.vocab_size), args.steps)}
+    for ctx, tokens in ((c, n) for c in args.context for n in args.tokens):
+        records = trace_steps(model, ctx, args.steps, model.config.vocab_size, tokens)
+        t = {"context": ctx, "tokens": tokens, **timeline(records, args.steps)}
         report["contexts"].append(t)
-        print(f"context {ctx}: {t['window_us']:.0f} us a step on the GPU's timeline, kernels running {t['busy_us']:.0f} us "
-              f"({100 * t['busy_share']:.0f}%), idle {t['idle_us']:.0f} us, of it {t['idle_in_gaps_over_5us']:.0f} us in "
+        print(f"context {ctx}, {tokens} token{'s' if tokens > 1 else ''} a step: {t['window_us']:.0f} us a step on the "
+              f"GPU's timeline, kernels running {t['busy_us']:.0f} us ({100 * t['busy_share']:.0f}%), idle "
+              f"{t['idle_us']:.0f} us, of it {t['idle_in_gaps_over_5us']:.0f} us in "
               f"{t['gaps_over_5us']:.1f} gaps over 5 us; {t['kernels'] / args.steps:.0f} kernels a step", flush=True)
         print("  largest gaps (us): " + ", ".join(f"{g:.0f}" for g in t["largest_gaps_us"]))
         for name, calls, us in t["by_kernel"]:

@@ -36,7 +36,7 @@ import lily_mlx.ops  # noqa: E402,F401  registers every spec
 from lily_mlx.ops import kernel_cache, kernels, moe_gemm  # noqa: E402
 from test_metal_compile import CUDA_UTILS_STANDIN  # noqa: E402
 
-SM_REGISTERS = 64 * 1024
+SM_REGISTERS = kernels.SM_REGISTERS
 SM_SHARED = 228 * 1024  # sm_90: per SM, of which a block may have 227 KB
 BLOCK_SHARED_RESERVED = 1024  # the runtime's own shared memory per resident block (sm_80+)
 SM_THREADS = 2048
@@ -131,11 +131,11 @@ def nvcc_include() -> Path:
 
 
 def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None,
-                         sms: int = 132) -> list[tuple]:
+                         sms: int = 132, tokens: int = 1) -> list[tuple]:
     """(kernel, grid blocks, block threads, dynamic shared bytes, full CUDA source) of each launch of one compiled
     decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches` (names
     on, "-name" off, the rest as CUDA's defaults), traced on the CPU as the CUDA path builds it on a GPU of `sms`
-    multiprocessors, with a cache of capacity about `context`."""
+    multiprocessors, with a cache of capacity about `context`; over `tokens` > 1, MTP's verify forward instead."""
     import contextlib
     from unittest import mock
 
@@ -147,7 +147,7 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
     from bench.step_dispatch import standin
     from lily_mlx import ops
     from lily_mlx.config import ModelConfig
-    from lily_mlx.decode import CompiledDecoder
+    from lily_mlx.decode import CompiledDecoder, CompiledVerifier
     from lily_mlx.model import Model
 
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", {**(widths or {}), "num_hidden_layers": 4}, 0, 4, 64,
@@ -175,16 +175,16 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
         model.fuse_projections()
         cache = model.make_cache()
         model(mx.array([[1]]), cache=cache)
-        dec = CompiledDecoder(model, cache, reserve=context)
+        dec = (CompiledDecoder if tokens == 1 else CompiledVerifier)(model, cache, reserve=context)
         with mock.patch.object(kernels, "launch", counted):
-            mx.eval(dec(mx.array([[1]])))
+            mx.eval(dec(mx.ones((1, tokens), dtype=mx.int32)))
     return launched
 
 
-def decode_step_table(switches: tuple[str, ...], context: int, sms: int, jobs: int) -> list[dict]:
+def decode_step_table(switches: tuple[str, ...], context: int, sms: int, jobs: int, tokens: int = 1) -> list[dict]:
     """One row a distinct launch of decode_step_launches, in step order: its calls in the 4 layers, grid, block,
     registers, shared memory, blocks an SM (and the limit), waves on `sms` SMs and the last wave's share."""
-    launched = decode_step_launches(switches, context, sms=sms)
+    launched = decode_step_launches(switches, context, sms=sms, tokens=tokens)
     rows: dict[tuple, dict] = {}
     for name, blocks, threads, smem, source in launched:
         key = (name, blocks, threads, smem, source)
@@ -212,14 +212,15 @@ def main(argv=None) -> int:
     ap.add_argument("--enable", default="", help="--decode-step: switches on (-name: off), comma-separated")
     ap.add_argument("--context", type=int, default=64, help="--decode-step: the cache's capacity, about")
     ap.add_argument("--sms", type=int, default=132, help="--decode-step: the GPU's SMs (H100 SXM and H200: 132)")
+    ap.add_argument("--tokens", type=int, default=1, help="--decode-step: tokens a step (more: MTP's verify forward)")
     a = ap.parse_args(argv)
     if a.decode_step:
         switches = tuple(n for n in a.enable.split(",") if n)
-        print(f"decode step, 35B-A3B widths, 4 layers, context ~{a.context}, {a.sms} SMs, switches on: "
-              f"{', '.join(switches) or 'defaults'}")
+        print(f"decode step, {a.tokens} token(s), 35B-A3B widths, 4 layers, context ~{a.context}, {a.sms} SMs, "
+              f"switches on: {', '.join(switches) or 'defaults'}")
         print(f"{'kernel':26s} {'calls':>5s} {'blocks':>6s} {'threads':>7s} {'regs':>4s} {'smem KB':>7s} "
               f"{'blocks/SM':>9s} {'limit':13s} {'waves':>5s} {'last wave':>9s}")
-        for r in decode_step_table(switches, a.context, a.sms, a.jobs):
+        for r in decode_step_table(switches, a.context, a.sms, a.jobs, a.tokens):
             print(f"{r['kernel']:26s} {r['calls']:5d} {r['blocks']:6d} {r['threads']:7d} {r['regs']:4d} "
                   f"{r['shared'] / 1024:7.1f} {r['per_sm']:9d} {r['limiter']:13s} {r['waves']:5d} "
                   f"{r['last_wave']:9.0%}" + (f"  {r['spill']} B spilled" if r["spill"] else ""))

@@ -233,20 +233,23 @@ step 60 150 "decode step, attn_decode_wide on vs off" python3 -m bench.profile_d
 step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on)" \
   env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out python3 -m bench.profile_decode --model "$model" --context 64 4096 \
   --steps 16 --no-ops --ab-switch attn_chain --json "$res/decode_ab_attn_chain.json"
-# MTP speculative decoding: the compiled verify step over 2 and 3 tokens against the one-token step, with the defaults
-# and with every chain (a verify launches what a decode step launches; tests/test_speculative.py counts them).
-step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" --context 64 4096 \
-  --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
-step 60 150 "MTP verify step vs decode step (every chain)" env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain \
-  python3 -m bench.profile_decode --model "$model" --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 \
-  --json "$res/decode_verify_chains.json"
+# MTP speculative decoding: the compiled verify forward over 2 and 3 tokens against the one-token step (a verify
+# launches what a decode step launches; tests/test_speculative.py counts them), on the GPU's timeline (each kernel's
+# time at 2-3 rows) and by wall time with its dispatch. The chains are the default at one row only
+# (ops.one_row_or_opted_in): "chains at every row" opts them in for the verify's rows too.
+rows_chains=moe_chain,deltanet_chain_out,attn_chain
+step 60 150 "MTP verify forward on the GPU's timeline (defaults)" python3 -m bench.gpu_timeline --model "$model" \
+  --context 64 4096 --tokens 2 3 --json "$res/timeline_verify.json"
+step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --tokens 2 3 --json "$res/timeline_verify_chains.json"
+step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" \
+  --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
 # MTP end to end at a set acceptance (the random model's head is untrained: bench.mtp swaps in the plain decoder's
-# own token after the head has run), against plain greedy decoding in the same process; with every chain too.
+# own token after the head has run), against plain greedy decoding in the same process.
 step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults)" python3 -m bench.mtp --model "$model" \
   --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp.json"
-step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (every chain)" \
-  env LILY_MLX_ENABLE=moe_chain,deltanet_chain_out,attn_chain python3 -m bench.mtp --model "$model" \
-  --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
+step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
+  python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
 # Each kernel's GPU time and DRAM bytes in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8
 # layers), the defaults and every chain: run 33 found attn_decode at 255 us a layer at 4096 (33 GB/s); run 36 (H100)
 # the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.

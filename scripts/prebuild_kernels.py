@@ -44,6 +44,10 @@ CONFIGS = [
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
 ]
 CONTEXTS = (64, 4096)
+# MTP's verify forward over 2 and 3 tokens (gpu_checks.sh's verify timelines) with the chains at every row, at context
+# 64: (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens).
+ROWS_CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
+VERIFY_CONFIGS = [(ROWS_CHAINS, "", "", tokens) for tokens in (2, 3)]
 
 
 def trace(context: int) -> None:
@@ -52,7 +56,8 @@ def trace(context: int) -> None:
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     switches = tuple(s for s in os.environ.get("LILY_PREBUILD_SWITCHES", "").split(",") if s)
-    for *_, source in tool.decode_step_launches(switches, context):
+    tokens = int(os.environ.get("LILY_PREBUILD_TOKENS", "1"))
+    for *_, source in tool.decode_step_launches(switches, context, tokens=tokens):
         print(json.dumps({"kernel": re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1),
                           "source": source}))
 
@@ -61,11 +66,12 @@ def sources(jobs: int) -> dict[str, tuple[str, str]]:
     """{module name: (kernel name, source)} over every configuration and context."""
     from lily_mlx.ops import kernel_cache
 
-    runs = [(c, ctx) for c in CONFIGS for ctx in CONTEXTS]
+    runs = [(c + (1,), ctx) for c in CONFIGS for ctx in CONTEXTS] + [(c, 64) for c in VERIFY_CONFIGS]
 
     def one(run):
-        (switches, plan, defines), ctx = run
-        env = dict(os.environ, LILY_PREBUILD_SWITCHES=switches, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines)
+        (switches, plan, defines, tokens), ctx = run
+        env = dict(os.environ, LILY_PREBUILD_SWITCHES=switches, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines,
+                   LILY_PREBUILD_TOKENS=str(tokens))
         env.setdefault("LILY_MLX_KERNEL_CACHE", KERNEL_SOURCES)
         r = subprocess.run([sys.executable, __file__, "--trace", str(ctx)], env=env, capture_output=True, text=True)
         if r.returncode:
@@ -96,7 +102,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         options = kernel_cache.offline_options(nvrtc, Path(tmp) / "include", divmod(a.arch, 10))
         found = sources(a.jobs)
-        print(f"{len(found)} kernel instances over {len(CONFIGS)} configurations x {len(CONTEXTS)} contexts", flush=True)
+        print(f"{len(found)} kernel instances over {len(CONFIGS)} configurations x {len(CONTEXTS)} contexts and "
+              f"{len(VERIFY_CONFIGS)} verify configurations", flush=True)
         cache = Path(tmp) / "ptx"
 
         def build(item):

@@ -143,6 +143,21 @@ def test_plan_fits_the_projection_in_one_wave_where_it_can():
     assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 4  # rows of x beyond one: as planned
 
 
+def test_cuda_builds_of_four_rows_and_more_get_the_full_registers():
+    """From M = 4 rows the chains' CUDA builds say one 512-thread block an SM is enough (ptxas, bounded by threads
+    alone, chose 64 registers there: 1.6 KB spilled, 3.2x slower); at one and two rows the bound stays threads alone,
+    as those builds were timed. Metal headers carry no bound."""
+    for spec in (dc.SPEC, dc.OUT_SPEC, kernels.SPECS["deltanet_chain_out_pb"]):
+        for M, bound in ((1, "(512)"), (2, "(512)"), (4, "(512, 1)"), (8, "(512, 1)")):
+            cap = kernels.register_cap(spec, {"M": M})
+            assert f"__launch_bounds__{bound}\n" in kernels.spec_header(spec, "cuda", "", cap), (spec.name, M)
+            assert "__maxnreg__" not in kernels.spec_header(spec, "cuda", "", cap)  # NVRTC rejects it beside a bound
+            assert "launch_bounds" not in kernels.spec_header(spec, "metal", "", cap)
+    for spec in (dc.SPEC, dc.OUT_SPEC):
+        inst = next(i for i in spec.instances() if dict(i.template)["M"] == 4)
+        assert "__launch_bounds__(512, 1)" in kernels.full_source(spec, "cuda", inst)[1]
+
+
 def test_unsupported_arguments_are_declined():
     case, K, bits, gs = CASES[0]
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)

@@ -248,7 +248,7 @@ def test_prebuild_configurations_are_ones_the_variables_accept(kernel_env):
     LILY_MLX_KERNEL_DEFINES the package accepts: a removed experiment left there fails here, not four minutes into a
     build."""
     tool = script_tool.load("prebuild_kernels")
-    for switches, plan, defines in tool.CONFIGS:
+    for switches, plan, defines, *_ in tool.CONFIGS + tool.VERIFY_CONFIGS:
         for name in filter(None, switches.split(",")):
             assert name.lstrip("-") in ops.KERNEL_NAMES, f"prebuild_kernels.py: {name!r} is no switch"
         kernel_env(kernels.PLAN_ENV, plan or None)

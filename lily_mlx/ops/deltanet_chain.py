@@ -176,13 +176,23 @@ def _instances(out: bool) -> list[kernels.Instance]:
 
 
 _BUNDLE = ("w", "nw", "conv_weight", "A_log", "dt_bias", "norm_weight")  # the layer's constants, ahead of the step
+
+
+def _register_cap(template: dict) -> int:
+    """A 512-thread block's full 128 registers from M = 4 rows on. Bounded by its threads alone, ptxas chose 64 for the
+    35B instance at M = 4 (1,648 bytes spilled): 242 us a call on the H100 (run 80), 74.9 capped (run 81). At M = 2 it
+    chose 128 itself, and the cap's build was slower (54.8 us against 48.5); the one-row build keeps no cap either."""
+    return 0 if template["M"] <= 2 else kernels.SM_REGISTERS // (32 * ds.MAX_WARPS)
+
+
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_chain", body="deltanet_chain.inc",
     input_names=("x", "w", "scales", "biases", "nw") + ds.SPEC.input_names[1:] + ("sync",),
     output_names=ds.SPEC.output_names + ("proj",), template_params=SPEC_PARAMS,
     description="a Gated DeltaNet decode token in one launch: input norm, fused projection, the step",
     instances=lambda: _instances(False), defines=("LILY_CHAIN",),
-    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"),), bundle=_BUNDLE,
+    cuda_launch_bounds=(32 * ds.MAX_WARPS,), cuda_max_registers=_register_cap, weights=(("w", "scales", "biases"),),
+    bundle=_BUNDLE,
 ))
 OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_chain_out", body="deltanet_chain.inc",
@@ -191,8 +201,8 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     description="a Gated DeltaNet layer's mixer half in one launch: deltanet_chain, then the output projection and "
                 "the residual add",
     instances=lambda: _instances(True), defines=("LILY_CHAIN", "LILY_CHAIN_OUT"),
-    cuda_launch_bounds=(32 * ds.MAX_WARPS,), weights=(("w", "scales", "biases"), ("wo", "so", "bo")),
-    bundle=_BUNDLE + ("wo",),
+    cuda_launch_bounds=(32 * ds.MAX_WARPS,), cuda_max_registers=_register_cap,
+    weights=(("w", "scales", "biases"), ("wo", "so", "bo")), bundle=_BUNDLE + ("wo",),
 ))
 
 

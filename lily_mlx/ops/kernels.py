@@ -98,6 +98,9 @@ class Instance:
     output_dtypes: tuple[mx.Dtype, ...]
 
 
+SM_REGISTERS = 64 * 1024  # a CUDA SM's 32-bit registers (sm_70 to sm_90)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str  # MLX kernel name; the body is kernels/<body>
@@ -112,7 +115,8 @@ class KernelSpec:
     # redefines __global__ to carry them (ptxas then caps the registers for that many resident blocks).
     cuda_launch_bounds: tuple[int, ...] = ()
     # CUDA __maxnreg__: a lane's registers capped whatever the block size (the blocks an SM holds then follow); or a
-    # function of an instance's template arguments (a dict) giving its cap, 0 for none.
+    # function of an instance's template arguments (a dict) giving its cap, 0 for none. Beside a launch bound of
+    # threads alone, the cap becomes its min blocks an SM (NVRTC rejects both attributes on one kernel).
     cuda_max_registers: Union[int, Callable[[dict], int]] = 0
     # (codes, scales, biases) input names of quantized weights that may arrive packed as one array (ops/packing.py):
     # register_spec then registers this spec's packed variant too, <name>_pw, each triple one input <codes>_pw.
@@ -635,9 +639,11 @@ def spec_header(spec: KernelSpec, backend: str, src: str, registers: Optional[in
     (registers: register_cap's for the instance; None: the spec's fixed cap)."""
     hdr = experiment_defines() + header(backend, src)
     registers = register_cap(spec) if registers is None else registers
-    attributes = []
-    if spec.cuda_launch_bounds:
-        attributes.append(f"__launch_bounds__({', '.join(str(b) for b in spec.cuda_launch_bounds)})")
+    attributes, bounds = [], spec.cuda_launch_bounds
+    if len(bounds) == 1 and registers:  # NVRTC takes no __maxnreg__ beside launch bounds: the cap as min blocks an SM
+        bounds, registers = (bounds[0], max(1, SM_REGISTERS // (bounds[0] * registers))), 0
+    if bounds:
+        attributes.append(f"__launch_bounds__({', '.join(str(b) for b in bounds)})")
     if registers:
         attributes.append(f"__maxnreg__({registers})")
     if backend == "cuda" and attributes:
