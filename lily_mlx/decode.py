@@ -435,10 +435,10 @@ _SHARED: dict[int, tuple[Any, dict]] = {}
 
 def _model_entry(model) -> tuple[Any, dict, tuple]:
     """(weak ref to model, its dict of traces by key, the key's last part: its parameter arrays and the switches)."""
-    from .ops import KERNEL_NAMES, enabled
+    from .ops import switch_key
 
     params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
-    switches = tuple(enabled(n) for n in sorted(KERNEL_NAMES))
+    switches = switch_key()
     ref, steps = _SHARED.get(id(model), (None, None))
     if ref is None or ref() is not model:
         steps = {}

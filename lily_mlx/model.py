@@ -29,7 +29,7 @@ ops.register_switch("prefill_overlap", "short prefills: each decoder layer dispa
 
 # MLX's CPU cost per decode step grows with its graph's constants and kernel inputs (bench/step_dispatch.py); packed,
 # a quantized weight is one of each instead of three. On by default on CUDA with the decode chains
-# (ops.one_row_or_opted_in), as they were measured; opt-in on Metal.
+# (ops.chain_takes), as they were measured; opt-in on Metal.
 ops.register_switch("packed_weights", "each quantized weight's codes, scales and biases in one array, read by the "
                     "decode kernels as one input", default_on="cuda")
 # Further: every constant input of a decode chain launch (a layer's weights and norms) in one array, so a chain

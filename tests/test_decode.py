@@ -60,6 +60,18 @@ def test_generate_step_updates_the_callers_cache_with_and_without_compile(tiny_c
     assert np.abs(la - lb).max() / np.abs(lb).max() <= 1e-4
 
 
+def test_opting_into_a_switch_keys_a_new_step(tiny_checkpoints):
+    """A switch opted into by name lets a chain take any rows (ops.chain_takes) though it was on already: the
+    compiled step made before must not serve it."""
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    assert ops.enabled("qmv")  # on by default, not opted into
+    plain = CompiledDecoder(model, cache)._fn
+    with ops.switched("qmv", True):
+        assert ops.enabled("qmv") and CompiledDecoder(model, cache)._fn is not plain
+
+
 def test_not_applicable_to_other_caches(tiny_checkpoints):
     model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
     cache = lily_mlx.make_cache(model, max_kv_size=16)

@@ -222,8 +222,8 @@ def test_chain_out_is_on_for_cuda_and_needs_its_kernels(monkeypatch):
 
 
 def test_chains_take_one_row_unless_opted_in(monkeypatch):
-    """On by default, a decode chain takes one row of one token (what was measured) and declines more, which the
-    unchained kernels then run; opted into by name it takes any rows."""
+    """On by default, a decode chain takes one row of one token or of MTP's two (what was measured) and declines
+    more, which the unchained kernels then run; opted into by name it takes any rows."""
     case, K, bits, gs = MODEL[1]  # B 3
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
     calls = []
@@ -235,7 +235,10 @@ def test_chains_take_one_row_unless_opted_in(monkeypatch):
     assert run(x[:1]) is not None and calls == [(1, 1, K)]
     with ops.switched("deltanet_chain_out", True):
         assert run(x) is not None and calls[-1] == x.shape
-    assert ops.one_row_or_opted_in("moe_chain", x[0]) and not ops.one_row_or_opted_in("moe_chain", x[:2, 0])
+    assert ops.chain_takes("moe_chain", x[0]) and not ops.chain_takes("moe_chain", x[:2, 0])
+    two = mx.zeros((1, 2, K))
+    assert ops.chain_takes("moe_chain", two) and not ops.chain_takes("moe_chain", two.swapaxes(0, 1))  # [2, 1, K]
+    assert not ops.chain_takes("moe_chain", two[0]) and not ops.chain_takes("moe_chain", mx.zeros((1, 3, K)))
     assert set(ops.backend_defaults("cuda")) == {"moe_chain", "deltanet_chain_out", "attn_chain", "packed_weights",
                                                  "bundled_weights", "kv_scatter", "kv_write", "cuda_source_files",
                                                  "logprobs", "logprobs_argmax"}

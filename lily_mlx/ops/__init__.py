@@ -50,13 +50,21 @@ def backend_defaults(name: str) -> tuple[str, ...]:
 
 # The decode chains (moe_chain, deltanet_chain_out, attn_chain) with packed_weights, bundled_weights and kv_scatter
 # are on by default on CUDA: 363.9 tok/s at context 256 and 334.4 at 4096 against the unchained kernels' 170.7 and
-# 187.0, tokens identical to stock mlx-lm's (H100 run 53); their cuda tests pass (run 51). At one row: the rest is
-# unmeasured.
-def one_row_or_opted_in(name: str, x: mx.array) -> bool:
-    """Whether decode chain `name` takes x [..., K]: one row of one token (batch-1 decode, where the chains were
-    measured), or any rows where it was opted into by name (server batches, MTP verify: at 2 and 3 tokens their
-    kernels took 3,568 and 5,075 us a verify against the unchained 3,134 and 3,751, H100 runs 80-81)."""
-    return x.size == x.shape[-1] or name in _opted_in
+# 187.0, tokens identical to stock mlx-lm's (H100 run 53); their cuda tests pass (run 51). MTP's 2-token verify takes
+# them too: its kernels take longer (3,568 us against 3,134) but it dispatches in 1.44 ms of host CPU against 3.20, so
+# it runs in 3.61 ms pipelined against 3.72, and MTP decoding at acceptance 1 / 0.8 went 440 / 286 -> 505 / 359 tok/s
+# (H100 runs 80 and 82). At 3 tokens (4.21 against 5.02 ms) and in batches (unmeasured) they stay opt-in.
+def chain_takes(name: str, x: mx.array) -> bool:
+    """Whether decode chain `name` takes x [..., K]: one row of one token (batch-1 decode), the two tokens of one row
+    (MTP's verify, x [1, 2, K]), or any rows where it was opted into by name."""
+    rows = x.size // x.shape[-1]
+    return rows == 1 or (rows == 2 and x.ndim == 3 and x.shape[0] == 1) or name in _opted_in
+
+
+def switch_key() -> tuple:
+    """Every switch's setting, for keying what was built under them: on or off, and opted into by name (which lets a
+    chain take any rows, chain_takes)."""
+    return tuple((enabled(n), n in _opted_in) for n in sorted(KERNEL_NAMES))
 
 
 def set_enabled(name: str, on: bool) -> None:

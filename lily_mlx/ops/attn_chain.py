@@ -5,7 +5,7 @@ counters (`kernels.sync_counters`) as moe_chain orders its three. Where the cach
 qmv_attn is switched off, variant attn_chain_long runs attn_combine's body and then qmv's as phases 2 and 3. Two
 launches fewer in each of the 10 attention layers of a 35B-A3B decode step, the GPU's work unchanged.
 
-Switch "attn_chain", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal.
+Switch "attn_chain", on by default on CUDA at one row and in MTP's 2-token verify (ops.chain_takes), opt-in on Metal.
 """
 
 from __future__ import annotations
@@ -234,11 +234,11 @@ LONG_SPEC = kernels.register_spec(kernels.KernelSpec(
 
 
 def _dispatch(x, *args, **kwargs):
-    from . import backend, one_row_or_opted_in
+    from . import backend, chain_takes
 
-    out = decode_add(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("attn_chain", x) else None
+    out = decode_add(x, *args, **kwargs, backend=backend()) if chain_takes("attn_chain", x) else None
     return None if out is None else (out[-1], out[0], out[1])
 
 
-# On by default on CUDA at one row, opt-in on Metal (compile-checked only): see ops.one_row_or_opted_in.
+# On by default on CUDA at one row (and a 2-token verify), opt-in on Metal (compile-checked only): see ops.chain_takes.
 register_kernel("attn_chain", SPEC.description, _dispatch, default_on="cuda")

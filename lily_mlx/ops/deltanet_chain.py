@@ -5,8 +5,8 @@ deltanet_chain_out adds a third phase, qmv's body again for the output projectio
 layer's whole mixer half is one launch. One or two launches fewer in each of the 30 DeltaNet layers of a decode
 step, the GPU's work unchanged.
 
-Switch "deltanet_chain_out", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal;
-"deltanet_chain" opt-in.
+Switch "deltanet_chain_out", on by default on CUDA at one row and in MTP's 2-token verify (ops.chain_takes), opt-in
+on Metal; "deltanet_chain" opt-in.
 """
 
 from __future__ import annotations
@@ -207,20 +207,20 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
 
 
 def _dispatch(x, *args, **kwargs):
-    from . import backend, one_row_or_opted_in
+    from . import backend, chain_takes
 
-    out = step(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("deltanet_chain", x) else None
+    out = step(x, *args, **kwargs, backend=backend()) if chain_takes("deltanet_chain", x) else None
     return None if out is None else out[:3]
 
 
 def _dispatch_out(x, *args, **kwargs):
-    from . import backend, one_row_or_opted_in
+    from . import backend, chain_takes
 
-    out = step(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("deltanet_chain_out", x) else None
+    out = step(x, *args, **kwargs, backend=backend()) if chain_takes("deltanet_chain_out", x) else None
     return None if out is None else (out[4], out[1], out[2])
 
 
-# deltanet_chain_out on by default on CUDA at one row, opt-in on Metal (compile-checked only): see
-# ops.one_row_or_opted_in. deltanet_chain stays opt-in: deltanet_chain_out replaced it in every measured setup.
+# deltanet_chain_out on by default on CUDA at one row (and a 2-token verify), opt-in on Metal (compile-checked only):
+# see ops.chain_takes. deltanet_chain stays opt-in: deltanet_chain_out replaced it in every measured setup.
 register_kernel("deltanet_chain", SPEC.description, _dispatch, default_on=False)
 register_kernel("deltanet_chain_out", OUT_SPEC.description, _dispatch_out, default_on="cuda")

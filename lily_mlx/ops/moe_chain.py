@@ -6,7 +6,7 @@ BENCHMARKS.md); this takes the router's and the down step's launches out of ever
 each token again from the logits (each gate/up job does too), so its weight loads go out before h is written.
 
 Each launch gets its own counters (`kernels.sync_counters`), int32 zeros that it leaves zero again. Switch
-"moe_chain", on by default on CUDA at one row (ops.one_row_or_opted_in), opt-in on Metal.
+"moe_chain", on by default on CUDA at one row and in MTP's 2-token verify (ops.chain_takes), opt-in on Metal.
 """
 
 from __future__ import annotations
@@ -171,11 +171,11 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
 
 
 def _dispatch(x, *args, **kwargs):
-    from . import backend, one_row_or_opted_in
+    from . import backend, chain_takes
 
-    out = chain(x, *args, **kwargs, backend=backend()) if one_row_or_opted_in("moe_chain", x) else None
+    out = chain(x, *args, **kwargs, backend=backend()) if chain_takes("moe_chain", x) else None
     return None if out is None else out[0]
 
 
-# On by default on CUDA at one row, opt-in on Metal (compile-checked only): see ops.one_row_or_opted_in.
+# On by default on CUDA at one row (and a 2-token verify), opt-in on Metal (compile-checked only): see ops.chain_takes.
 register_kernel("moe_chain", SPEC.description, _dispatch, default_on="cuda")
