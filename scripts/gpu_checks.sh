@@ -235,13 +235,14 @@ step 60 150 "decode step, attn_chain on vs off (moe_chain, deltanet_chain_out on
   --steps 16 --no-ops --ab-switch attn_chain --json "$res/decode_ab_attn_chain.json"
 # MTP speculative decoding: the compiled verify forward over 2 and 3 tokens against the one-token step (a verify
 # launches what a decode step launches; tests/test_speculative.py counts them), on the GPU's timeline (each kernel's
-# time at 2-3 rows) and by wall time with its dispatch. The chains are the default at one row only
-# (ops.one_row_or_opted_in): "chains at every row" opts them in for the verify's rows too.
+# time at 2-3 rows) and by wall time with its dispatch. The chains take one row and a 2-token verify by default
+# (ops.chain_takes): "chains at every row" opts them in for 3 tokens too.
 rows_chains=moe_chain,deltanet_chain_out,attn_chain
 step 60 150 "MTP verify forward on the GPU's timeline (defaults)" python3 -m bench.gpu_timeline --model "$model" \
   --context 64 4096 --tokens 2 3 --json "$res/timeline_verify.json"
 step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
-  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --tokens 2 3 --json "$res/timeline_verify_chains.json"
+  python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --tokens 2 3 \
+  --json "$res/timeline_verify_chains.json"
 step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" \
   --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
 # MTP end to end at a set acceptance (the random model's head is untrained: bench.mtp swaps in the plain decoder's
