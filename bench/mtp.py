@@ -5,7 +5,8 @@ bench replaces each draft with the plain decoder's own next token with probabili
 model rejects: the acceptance is set, the cost is the real one. `--accept real` keeps the head's own drafts (a real
 checkpoint). Each run's tokens must equal plain greedy decoding's; a run that differs is reported, not timed.
 Decode throughput is generation_tps's: tokens after the first over the time since the first. "forwards a token" counts
-the compiled verify forwards (those queued ahead and undone too) over the tokens generated.
+the compiled verify forwards (those queued ahead and undone too) over the tokens generated, "forwards by tokens" how
+many took each token count (a rejected forward's tokens go again with the next).
 
     python -m bench.mtp --model PATH [--prompt-tokens 64] [--tokens 128] [--accept 0 0.5 0.8 1 real] [--rounds 3]
         [--json out.json]
@@ -14,6 +15,7 @@ the compiled verify forwards (those queued ahead and undone too) over the tokens
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import random
@@ -28,23 +30,31 @@ import numpy as np
 
 @contextlib.contextmanager
 def set_acceptance(sequence: list[int], accept: float, vocab: int, seed: int = 0):
-    """Every compiled MTP draft, once the head has run, replaced by sequence's token at its position with
-    probability `accept`, else by another token."""
+    """Every MTP draft (the compiled head's, and the eager head's first after the prompt), once the head has run,
+    replaced by sequence's token at its position with probability `accept`, else by another token."""
     from lily_mlx.decode import CompiledDrafter
+    from lily_mlx.speculative import _EagerDrafter
 
-    rng, real = random.Random(seed), CompiledDrafter.__call__
+    rng = random.Random(seed)
+    # the head at position t drafts token t + 2, and its cache holds positions up to t + 1 after the call
+    drafters = {CompiledDrafter: lambda d: d.offset, _EagerDrafter: lambda d: d.cache[0].offset}
+    real = {cls: cls.__call__ for cls in drafters}
 
-    def draft(self, hidden, next_tokens):
-        out = real(self, hidden, next_tokens)
-        i = self.offset + 1  # the head at position t drafts token t + 2, and offset is now the last t + 1
-        want = sequence[i] if i < len(sequence) else 0
-        return out * 0 + (want if rng.random() < accept else (want + 1) % vocab)  # out * 0: the head still runs
+    def patched(cls):
+        def draft(self, hidden, next_tokens):
+            out = real[cls](self, hidden, next_tokens)
+            i = drafters[cls](self) + 1
+            want = sequence[i] if i < len(sequence) else 0
+            return out * 0 + (want if rng.random() < accept else (want + 1) % vocab)  # out * 0: the head still runs
+        return draft
 
-    CompiledDrafter.__call__ = draft
+    for cls in drafters:
+        cls.__call__ = patched(cls)
     try:
         yield
     finally:
-        CompiledDrafter.__call__ = real
+        for cls, call in real.items():
+            cls.__call__ = call
 
 
 @contextlib.contextmanager
@@ -100,6 +110,7 @@ def main(argv=None) -> int:
     arms = ["plain"] + args.accept
     runs: dict[str, list] = {arm: [] for arm in arms}
     forwards: dict[str, list] = {arm: [] for arm in arms}  # verify forwards a generated token
+    sizes: dict[str, collections.Counter] = {arm: collections.Counter() for arm in arms}  # tokens a verify forward
     for r in range(args.rounds + 1):  # round 0 traces every token count: untimed
         for arm in arms:
             calls: list = []
@@ -113,6 +124,7 @@ def main(argv=None) -> int:
             if r:
                 runs[arm].append(result)
                 forwards[arm].append(len(calls) / args.tokens if arm != "plain" else 1.0)
+                sizes[arm].update(calls)
     report = {"model": args.model, "mlx": mx.__version__, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
               "rounds": args.rounds, "rows": []}
     plain_tps = statistics.median(tps for _, _, tps in runs["plain"])
@@ -123,12 +135,13 @@ def main(argv=None) -> int:
         per_token = statistics.mean(forwards[arm])
         row = {"arm": arm, "same_tokens": same, "tok_s": tps if same else None, "draft_share": share,
                "forwards_per_token": per_token, "vs_plain": tps / plain_tps if same else None,
-               "rounds_tok_s": [t for _, _, t in runs[arm]]}
+               "forward_tokens": dict(sorted(sizes[arm].items())), "rounds_tok_s": [t for _, _, t in runs[arm]]}
         report["rows"].append(row)
         label = "plain greedy" if arm == "plain" else f"MTP, acceptance {arm}"
         if same:
+            mix = ", ".join(f"{n} x {t}" for t, n in sorted(sizes[arm].items()))
             print(f"{label:28} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens, "
-                  f"{per_token:.2f} forwards a token", flush=True)
+                  f"{per_token:.2f} forwards a token" + (f" (forwards by tokens: {mix})" if mix else ""), flush=True)
         else:
             print(f"{label:28} FAILED: its tokens differ from plain greedy decoding's", flush=True)
     if args.json_path:

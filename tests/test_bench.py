@@ -416,6 +416,11 @@ def test_mtp_bench_sets_the_acceptance(tmp_path):
     rows = {r["arm"]: r for r in json.loads((tmp_path / "mtp.json").read_text())["rows"]}
     assert all(r["same_tokens"] and r["tok_s"] > 0 for r in rows.values())
     assert rows["1"]["draft_share"] > 0.35 and rows["0"]["draft_share"] == 0 and rows["plain"]["draft_share"] == 0
+    # forwards by tokens: with every draft right (the eager head's first one too) each is [sample, draft]; a rejected
+    # forward's tokens go again with the next
+    assert list(rows["1"]["forward_tokens"]) == ["2"] and max(map(int, rows["0"]["forward_tokens"])) >= 3
+    for r in (rows["1"], rows["0"]):
+        assert sum(r["forward_tokens"].values()) == round(r["forwards_per_token"] * 12)
     assert mtp.main(["--model", str(random_model.ensure("random:tiny", tmp_path / "plain", progress=False))]) == 2
 
 
