@@ -13,7 +13,7 @@ than a step).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -44,6 +44,11 @@ ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V 
 # Opt-in until the server's 8-client load has been timed with it on the H200 (its cuda tests pass there).
 ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
                     default_on=False)
+# A rejected draft then costs no re-run: the next verify takes [sample, draft] from the kept states, where without it
+# the rejected forward's tokens go again (3-5 tokens a verify). Opt-in until its cuda tests and bench.mtp have run on
+# a GPU (deltanet_step's KEEP is emulated and compile-checked only).
+ops.register_switch("verify_keep", "MTP's verify forward keeps the DeltaNet states before its last token, which a "
+                    "rejected draft rolls back to", default_on=False)
 
 
 def row_positions(start1: mx.array, shape) -> mx.array:
@@ -140,8 +145,10 @@ class _StaticBatchKV:
 class _StaticState:
     lengths = None
 
-    def __init__(self, conv: mx.array, state: mx.array):
+    def __init__(self, conv: mx.array, state: mx.array, keep: bool = False):
         self.cache = [conv, state]
+        self.keep = keep  # the model's DeltaNet layer then sets kept: (conv, state) before the last token
+        self.kept = None
 
     def __getitem__(self, i):
         return self.cache[i]
@@ -211,12 +218,14 @@ class CompiledDecoder:
         return step(self.model, len(self.cache), self.kv_index, self.state_index, tokens, offset, *flat)
 
     def _advance(self, tokens: mx.array, n_out: int) -> list:
-        """The compiled step over tokens [B, T]: its first n_out outputs; the cache arrays kept."""
+        """The compiled step over tokens [B, T]: its first n_out outputs and what follows the cache arrays (a verify's
+        kept states); the cache arrays kept."""
         self.kv = _with_room(self.kv, self.offset + tokens.shape[1])
         out = self._fn(_token_ids(tokens), kernels.int32_scalar(self.offset), *_flatten(self.kv, self.states))
-        self.kv, self.states = _unflatten(out[n_out:], len(self.kv), len(self.states))
+        n = n_out + 2 * (len(self.kv) + len(self.states))
+        self.kv, self.states = _unflatten(out[n_out:n], len(self.kv), len(self.states))
         self.offset += tokens.shape[1]
-        return out[:n_out]
+        return out[:n_out] + out[n:]
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return self._advance(tokens, 1)[0]
@@ -243,9 +252,22 @@ class CompiledVerifier(CompiledDecoder):
 
     KIND = "verify"
 
+    def __init__(self, model, cache: List[Any], reserve: int = STEP):
+        if ops.enabled("verify_keep"):
+            self.KIND = "verify_keep"
+        self._kept = None
+        super().__init__(model, cache, reserve)
+
     def __call__(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        hidden, logits = self._advance(tokens, 2)
+        hidden, logits, *kept = self._advance(tokens, 2)
+        if kept:
+            self._kept = [(kept[2 * j], kept[2 * j + 1]) for j in range(len(self.states))], self.offset - 1
         return hidden, logits
+
+    def kept(self) -> Optional[tuple]:
+        """With switch verify_keep, a snapshot of the last forward's states before its last token (restore() takes
+        it: a rejected draft rolls back to it, its other tokens kept); else None."""
+        return self._kept
 
     def snapshot(self) -> tuple:
         return list(self.states), self.offset
@@ -361,16 +383,17 @@ def verify_outputs(model, tokens, cache) -> tuple[mx.array, mx.array]:
     return hidden, lm.logits(hidden)
 
 
-def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states, head) -> tuple[tuple, list]:
-    """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order) and the updated
-    DeltaNet (conv, state) pairs."""
+def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states, head,
+               keep: bool = False) -> tuple[tuple, list, list]:
+    """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order), the updated
+    DeltaNet (conv, state) pairs and with keep the pairs before the last token (else [])."""
     shims: List[Any] = [None] * n_cache
     for i, s in zip(kv_index, kv_shims):
         shims[i] = s
     for i, (conv, state) in zip(state_index, states):
-        shims[i] = _StaticState(conv, state)
+        shims[i] = _StaticState(conv, state, keep)
     out = head(model, tokens, shims)
-    return out, [tuple(shims[i].cache) for i in state_index]
+    return out, [tuple(shims[i].cache) for i in state_index], [shims[i].kept for i in state_index] if keep else []
 
 
 def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, idx1, left_padding,
@@ -378,20 +401,21 @@ def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     pos = _new_rows(kv, tokens.shape[1], idx1)
     shims = [_StaticBatchKV(k, v, idx1, left_padding, offset, pos) for k, v in kv]
-    (logits,), states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_logits)
+    (logits,), states, _ = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, _last_logits)
     return (logits, offset + tokens.shape[1], *_flatten([(s.keys, s.values) for s in shims], states))
 
 
 def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
-                 head: Callable = _last_logits):
+                 head: Callable = _last_logits, keep: bool = False):
     """offset1 [1] int32, what the fused attention reads; the scalar is for the several-token path only (a
-    decode step's trace drops it). -> (*head's outputs, every updated cache array)."""
+    decode step's trace drops it). -> (*head's outputs, every updated cache array[, with keep the DeltaNet states
+    before the last token])."""
     offset = offset1.reshape(())
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     pos = _new_rows(kv, tokens.shape[1], offset1)
     shims = [_StaticKV(k, v, offset, offset1, pos) for k, v in kv]
-    out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
-    return (*out, *_flatten([(s.keys, s.values) for s in shims], states))
+    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep)
+    return (*out, *_flatten([(s.keys, s.values) for s in shims], states), *_flatten([], kept))
 
 
 def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int], hidden, next_tokens, offset1, *flat):
@@ -405,20 +429,20 @@ def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
 
 
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
-                  head: Callable = _last_logits):
+                  head: Callable = _last_logits, keep: bool = False):
     """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
     offset = offset1.reshape(())
     ((keys, values),), states = _unflatten(flat, 1, len(state_index))
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
-    out, states = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head)
+    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep)
     if rows and all(attn_decode.written_in_place(k) for k, _ in rows):  # kv_write: written; order after the launches
         keys, values = mx.depends([keys, values], [a for row in rows for a in row])
     else:
         k_new = mx.concatenate([k for k, _ in rows])  # [P*B, Hkv, T, D], layer order
         pos = row_positions(offset1, k_new.shape)
         keys, values = write_rows(keys, k_new, pos), write_rows(values, mx.concatenate([v for _, v in rows]), pos)
-    return (*out, *_flatten([(keys, values)], states))
+    return (*out, *_flatten([(keys, values)], states), *_flatten([], kept))
 
 
 def _new_rows(kv: list, T: int, start1: mx.array):
@@ -483,9 +507,10 @@ def _step_function(kind: str) -> Callable:
     head's draft ("draft")."""
     if kind == "draft":
         return _draft_step
-    if kind.endswith("verify"):
-        step = _stacked_step if kind == "stacked_verify" else _decode_step
-        return lambda *args: step(*args, head=verify_outputs)
+    if kind.endswith(("verify", "verify_keep")):
+        step = _stacked_step if kind.startswith("stacked") else _decode_step
+        keep = kind.endswith("keep")
+        return lambda *args: step(*args, head=verify_outputs, keep=keep)
     return {"single": _decode_step, "stacked": _stacked_step, "batch": _batch_step}[kind]
 
 

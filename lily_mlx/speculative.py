@@ -9,9 +9,11 @@ distribution.
 
 A rejected draft has already entered the DeltaNet states and the KV caches. The states from before the forward are
 kept (MLX arrays are immutable: keeping them costs nothing) and put back, the KV caches trimmed back, and the pending
-tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. The
-MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden state at t and
-token t+1.
+tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. With
+switch verify_keep (opt-in) the forward also keeps the DeltaNet states from before its draft (deltanet_step's KEEP),
+and a rejection rolls back to those instead: its other tokens stand, and every forward is the last sample and a
+draft. The MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden
+state at t and token t+1.
 
 The host does not wait with the GPU idle: while it waits for a forward's samples, the next draft and forward are
 already queued as if the draft stood (the plain decoder's pipelining, one forward ahead). A rejection undoes both
@@ -71,6 +73,11 @@ class _Eager:
     def snapshot(self) -> list:
         return [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in self.cache]
 
+    def kept(self) -> None:
+        """No states before a forward's last token (CompiledVerifier's with switch verify_keep): a rejection restores
+        the snapshot from before the forward."""
+        return None
+
     def restore(self, snapshot: list) -> None:
         for c, saved in zip(self.cache, snapshot):
             if isinstance(c, ArraysCache):
@@ -91,11 +98,13 @@ class _EagerDrafter(_Eager):
 
 
 class _Forward(NamedTuple):
-    """One verify forward in flight: the state before it, the tokens it was given (pending: known ids, or None while
-    they are another forward's lazy samples), its draft d [1], the samples at the draft's position (s1) and after it
-    (s2) with their log-probabilities, and its last two positions' hidden states."""
+    """One verify forward in flight: the state before it and (verify_keep) before its draft, the tokens it was given
+    (pending: known ids, or None while they are another forward's lazy samples), its draft d [1], the samples at the
+    draft's position (s1) and after it (s2) with their log-probabilities, and its last two positions' hidden
+    states."""
 
     before: Any
+    kept: Any
     pending: Optional[List[int]]
     d: mx.array
     s1: mx.array
@@ -150,10 +159,11 @@ def mtp_generate_step(
         `assumed`: the lazy tokens decided before `tokens` that ids does not hold yet."""
         before = main.snapshot()
         hidden, logits = main(mx.concatenate([tokens, d])[None])
+        kept = main.kept()
         s1, lp1 = sample(logits[0, -2], history(*assumed))
         s2, lp2 = sample(logits[0, -1], history(*assumed, d))
         mx.async_eval(d, s1, s2, lp1, lp2)
-        return _Forward(before, pending, d, s1, lp1, s2, lp2, hidden)
+        return _Forward(before, kept, pending, d, s1, lp1, s2, lp2, hidden)
 
     with mx.stream(stream):
         done = 0
@@ -202,13 +212,17 @@ def mtp_generate_step(
                     ids += [d_id, s2_id]
                     ready = [(d_id, oldest.lp1, True), (s2_id, oldest.lp2, False)]
                     oldest = ahead._replace(pending=[s2_id])
-                else:  # both forwards and the draft after oldest are undone; its pending tokens go again
-                    main.restore(oldest.before)
+                else:  # both forwards and the draft after oldest are undone
                     drafter.restore(drafted)
                     ids.append(s1_id)
                     ready = [(s1_id, oldest.lp1, False)]
-                    pending = oldest.pending + [s1_id]
                     d = drafter(oldest.hidden[:, :1], oldest.s1[None])
+                    if oldest.kept is not None:  # back to just before the rejected draft: its other tokens stand
+                        main.restore(oldest.kept)
+                        pending = [s1_id]
+                    else:  # back to before the forward: its pending tokens go again
+                        main.restore(oldest.before)
+                        pending = oldest.pending + [s1_id]
                     if len(pending) > max_pending:
                         main(mx.array(pending[:-1], dtype=mx.int32)[None])
                         pending = pending[-1:]

@@ -251,6 +251,10 @@ step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults)" python3 -m
   --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp.json"
 step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
   python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
+# verify_keep (opt-in until this and its cuda tests have run): a rejected draft rolls back to the states before it, so
+# every verify is a sample and a draft (2 tokens, chained) instead of re-running the rejected forward's tokens.
+step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (verify_keep)" env LILY_MLX_ENABLE=verify_keep \
+  python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_keep.json"
 # Each kernel's GPU time and DRAM bytes in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8
 # layers), the defaults and every chain: run 33 found attn_decode at 255 us a layer at 4096 (33 GB/s); run 36 (H100)
 # the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.

@@ -44,10 +44,10 @@ CONFIGS = [
     ("", "", "LILY_CHAIN_TRACE=4096"), ("-kv_write", "", ""), ("", "attn_decode.STAGE_ROWS=1024", ""),
 ]
 CONTEXTS = (64, 4096)
-# MTP's verify forward over 2 and 3 tokens (gpu_checks.sh's verify timelines, bench.mtp), by default and with the
-# chains at every row, at context 64: (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens).
+# MTP's verify forward over 2 and 3 tokens (gpu_checks.sh's verify timelines, bench.mtp), by default, with the chains
+# at every row and with verify_keep, at context 64: (switches, LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens).
 ROWS_CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
-VERIFY_CONFIGS = [("", "", "", 2), ("", "", "", 3), (ROWS_CHAINS, "", "", 3)]
+VERIFY_CONFIGS = [("", "", "", 2), ("", "", "", 3), (ROWS_CHAINS, "", "", 3), ("verify_keep", "", "", 2)]
 
 
 def trace(context: int) -> None:

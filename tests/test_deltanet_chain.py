@@ -15,6 +15,7 @@ import pytest
 
 from lily_mlx import ops
 from lily_mlx.ops import deltanet_chain as dc
+from lily_mlx.ops import deltanet_step as ds
 from lily_mlx.ops import kernels, qmv, reference
 from emulator import GXX, Emulator
 from counters import assert_launches_agree
@@ -34,6 +35,10 @@ CASES = [
 MODEL = [(Case(B, 16, 32, 128, 128, dtypes=(t, t, F32, t, t)), 2048, 4, 64) for B, t in ((1, BF16), (3, F32))]
 # deltanet_chain_out: the cases whose Hv*Dv a group of 32 divides (the output projection's input).
 OUT_CASES = [c for c in CASES if c[0].Hv * c[0].Dv % 32 == 0]
+# KEEP (verify_keep): the states before the last of a verify's tokens too.
+KEEP_CASE = (Case(2, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, keep=True), 96, 4, 32)
+KEEP_CASES = [KEEP_CASE, (Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True), 2048,
+                          4, 64)]  # and MTP's 2-token verify of the 35B layer
 
 
 def _inputs(case, K, bits, gs, seed=0):
@@ -77,7 +82,8 @@ def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_pro
     with mx.stream(mx.cpu):
         xn = reference.rms_norm(x, norm[0], norm[1])
     _close(case, "projection", proj, _matmul_ref(xn, in_proj))
-    _check_step(case, 0, (out, conv_new, state_new), (proj, mask), params, conv_state, state)
+    kept = tuple(got[-2:]) if case.keep else ()  # KEEP's states, after the launch's own outputs
+    _check_step(case, 0, (out, conv_new, state_new, *kept), (proj, mask), params, conv_state, state)
     if out_proj is not None:
         assert got[4].dtype == x.dtype and got[4].shape == x.shape
         _close(case, "h", got[4], x.astype(F32) + _matmul_ref(out, out_proj))
@@ -92,6 +98,7 @@ def test_chain_emulated_matches_reference(tmp_path):
     # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
     runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
     runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
+    runs += [(KEEP_CASE, with_out, False, None) for with_out in (False, True)]
     for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
@@ -103,10 +110,11 @@ def test_chain_emulated_matches_reference(tmp_path):
         assert sms is None or (p["qmv"]["RPS"], p["proj_blocks"]) == (6, 129)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
                            norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
-                           o, p, prefetch=prefetch)
+                           o, p, prefetch=prefetch, keep=case.keep)
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
                 kernels.placeholder(mx.bool_) if mask is None else mask]
-        shapes = [(case.B, case.tokens, case.Hv * case.Dv), conv_state.shape, state.shape, (case.B, case.tokens, PW)]
+        shapes = [(case.B, case.tokens, case.Hv * case.Dv), ds.kept_shape(conv_state.shape, case.keep),
+                  ds.kept_shape(state.shape, case.keep), (case.B, case.tokens, PW)]
         blocks = p["proj_blocks"] + case.B * case.Hv
         if out_proj is not None:
             args += [*out_proj[:3], x]
@@ -118,7 +126,7 @@ def test_chain_emulated_matches_reference(tmp_path):
                 reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
         checks.append(((case, x, norm, in_proj, params, conv_state, state, mask), out_proj))
     for (c, out_proj), (*got, sync) in zip(checks, emu.run()):
-        _check(*c, got, out_proj)
+        _check(*c, ds.split_kept(got, 1, c[0].keep), out_proj)
         assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
 
 
@@ -251,7 +259,7 @@ def _gpu(backend, case, K, bits, gs, with_out=False):
     out_proj = _out_proj(case, K) if with_out else None
     run = lambda: dc.step(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
                           num_key_heads=case.Hk, eps=case.eps, mask=mask, out_proj=out_proj,
-                          residual=x if with_out else None, backend=backend, init_value=NAN)
+                          residual=x if with_out else None, backend=backend, init_value=NAN, keep=case.keep)
     first = assert_launches_agree(run, str(case))
     _check(case, x, norm, in_proj, params, conv_state, state, mask, first, out_proj)
     return first
@@ -271,7 +279,7 @@ def test_chain_prefetch_switch_reaches_the_template():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case,K,bits,gs", CASES + MODEL, ids=repr)
+@pytest.mark.parametrize("case,K,bits,gs", CASES + MODEL + KEEP_CASES, ids=repr)
 def test_chain_cuda(case, K, bits, gs):
     _gpu("cuda", case, K, bits, gs)
 
@@ -283,7 +291,7 @@ def test_chain_metal(case, K, bits, gs):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL, ids=repr)
+@pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL + KEEP_CASES, ids=repr)
 def test_chain_out_cuda(case, K, bits, gs):
     _gpu("cuda", case, K, bits, gs, with_out=True)
 

@@ -35,15 +35,18 @@ class Case:
     """One kernel configuration: shapes, dtypes (activations, conv weight, A_log, dt_bias, norm weight), tokens a
     launch (a speculative verify's several; masks per step: [B] rows, or [B][tokens])."""
 
-    def __init__(self, B, Hk, Hv, Dk, Dv, W=4, dtypes=(F32,) * 5, masks=None, eps=1e-6, launch=None, tokens=1):
+    def __init__(self, B, Hk, Hv, Dk, Dv, W=4, dtypes=(F32,) * 5, masks=None, eps=1e-6, launch=None, tokens=1,
+                 keep=False):
         self.B, self.Hk, self.Hv, self.Dk, self.Dv, self.W = B, Hk, Hv, Dk, Dv, W
         self.dtypes, self.masks, self.eps, self.launch, self.tokens = dtypes, masks, eps, launch, tokens
+        self.keep = keep  # KEEP: the states before the last token too
         self.C = 2 * Hk * Dk + Hv * Dv
 
     def __repr__(self):
         names = "-".join(str(d).split(".")[-1] for d in self.dtypes[:2])
         return (f"B{self.B}-Hk{self.Hk}-Hv{self.Hv}-Dk{self.Dk}-Dv{self.Dv}-W{self.W}-{names}"
-                f"{'-masked' if self.masks else ''}{f'-T{self.tokens}' if self.tokens > 1 else ''}")
+                f"{'-masked' if self.masks else ''}{f'-T{self.tokens}' if self.tokens > 1 else ''}"
+                f"{'-keep' if self.keep else ''}")
 
     def params(self, seed):
         T, TW, TA, TD, TN = self.dtypes
@@ -105,8 +108,11 @@ def _rel(x, ref):
 
 
 def _check_step(case, step, got, tok, params, conv_state, state):
-    """got = the kernel's (out, conv state, state) for one step from (conv_state, state)."""
-    out, conv_new, state_new = got
+    """got = the kernel's (out, conv state, state[, the conv state and state before the last token with KEEP]) for
+    one step from (conv_state, state)."""
+    if case.keep:
+        _check_kept(case, step, got[3:], tok, params, conv_state, state)
+    out, conv_new, state_new = got[:3]
     T = case.dtypes[0]
     assert out.shape == (case.B, case.tokens, case.Hv * case.Dv) and out.dtype == T
     assert conv_new.shape == conv_state.shape and conv_new.dtype == T and state_new.dtype == F32
@@ -143,7 +149,26 @@ EMULATED = [
                 [[True, True], [False, False], [True, True]]]),
     Case(2, 2, 4, 16, 24, W=3, dtypes=(F32, BF16, F32, F32, F32), launch={"WARPS": 2, "RB": 3}, tokens=5),
     Case(1, 1, 3, 64, 32, W=2, dtypes=(BF16,) * 5, tokens=4),
+    # KEEP (a verify's states before its last token): one row, masked rows, conv width 2, several passes.
+    Case(1, 2, 4, 32, 48, tokens=2, keep=True),
+    Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, keep=True,
+         masks=[[[True, True, True], [True, False, True], [False, False, True]]] * 3),
+    Case(2, 2, 4, 16, 24, W=2, dtypes=(F32, BF16, F32, F32, F32), launch={"WARPS": 2, "RB": 3}, tokens=4, keep=True),
 ]
+
+
+def _check_kept(case, step, kept, tok, params, conv_state, state):
+    """KEEP's states against the reference over the step's tokens but the last."""
+    conv_kept, state_kept = kept
+    proj, mask = tok
+    before_last = (proj[:, :-1], None if mask is None else mask[:, :-1])
+    assert conv_kept.shape == conv_state.shape and state_kept.shape == state.shape and state_kept.dtype == F32
+    for name, x in (("conv state", conv_kept), ("state", state_kept)):
+        assert not mx.isnan(x.astype(F32)).any().item(), f"{case} step {step}: unwritten (NaN) kept {name}"
+    _, c_same, _ = _composition(case, before_last, params, conv_state, state, upcast=False)
+    _, _, s_ref = _composition(case, before_last, params, conv_state, state, upcast=True)
+    assert mx.array_equal(conv_kept, c_same).item(), f"{case} step {step}: kept conv state differs from the reference"
+    assert _rel(state_kept, s_ref) < TOL_STATE, f"{case} step {step}: kept state rel err {_rel(state_kept, s_ref):.2e}"
 
 
 def _arrays(case, tok, params, conv_state, state):
@@ -161,17 +186,18 @@ def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
         emu, inputs = Emulator(tmp_path), []
         for c, case in enumerate(EMULATED):
             inst = ds.instance(*case.dtypes, case.B, case.Hk, case.Hv, case.Dk, case.Dv, case.W,
-                               case.masks is not None, case.eps, case.launch)
+                               case.masks is not None, case.eps, case.launch, case.keep)
             threads = 32 * (case.launch or ds.plan(case.Dk, case.Dv))["WARPS"]
             tok, params = case.token(c, step), case.params(c)
-            out_shapes = [(case.B, case.tokens, case.Hv * case.Dv), (case.B, case.W - 1, case.C),
-                          (case.B, case.Hv, case.Dv, case.Dk)]
+            out_shapes = [(case.B, case.tokens, case.Hv * case.Dv), ds.kept_shape((case.B, case.W - 1, case.C), case.keep),
+                          ds.kept_shape((case.B, case.Hv, case.Dv, case.Dk), case.keep)]
             emu.add(ds.SPEC, inst, _arrays(case, tok, params, *states[c]), (case.B * case.Hv * threads, 1, 1),
                     (threads, 1, 1), out_shapes)
             inputs.append((tok, params))
         for c, (got, (tok, params)) in enumerate(zip(emu.run(), inputs)):
             case = EMULATED[c]
-            errs = _check_step(case, step, tuple(got), tok, params, *states[c])
+            got = ds.split_kept(got, 1, case.keep)
+            errs = _check_step(case, step, got, tok, params, *states[c])
             worst[repr(case)] = tuple(max(e, w) for e, w in zip(errs, worst.get(repr(case), (0.0,) * 4)))
             states[c] = (got[1], got[2])  # the next step starts from the kernel's own outputs
     print("max rel err (out, state vs fp32 reference; out, state vs same-dtype reference):", worst)
@@ -186,6 +212,7 @@ GPU_CASES = EMULATED + [
     Case(3, 1, 1, 32, 256),
     Case(2, 2, 4, 256, 32, dtypes=(mx.float16, mx.float16, F32, mx.float16, mx.float16)),
     Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=5),  # the 35B shape's longest verify
+    Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True),  # MTP's verify, verify_keep
 ]
 TOL_OUT[mx.float16] = 2e-3
 
@@ -197,11 +224,12 @@ def _gpu_steps(backend, case, seed=0):
         tok = case.token(seed, step)
         proj, mask = tok
         got = ds.deltanet_step(proj, params[0], conv_state, *params[1:], state, num_key_heads=case.Hk,
-                               eps=case.eps, mask=mask, backend=backend, init_value=float("nan"), launch=case.launch)
+                               eps=case.eps, mask=mask, backend=backend, init_value=float("nan"), launch=case.launch,
+                               keep=case.keep)
         assert got is not None, f"deltanet_step declined {case}"
         mx.eval(got)
         _check_step(case, step, got, tok, params, conv_state, state)
-        _, conv_state, state = got
+        _, conv_state, state = got[:3]
 
 
 @pytest.mark.cuda

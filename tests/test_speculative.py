@@ -112,9 +112,11 @@ def test_eager_forwards_without_compiled_decode(embedded):
     _caches_equal(plain_cache, spec_cache)
 
 
-def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
+@pytest.mark.parametrize("keep", [False, True], ids=["restart", "verify_keep"])
+def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch, keep):
     """An MTP head that drafts token 0 every time: every draft is rejected, the pending tokens grow to MAX_PENDING and
-    are absorbed; the tokens and the cache are still the plain decoder's."""
+    are absorbed, or with verify_keep (the states before each forward's draft kept) never grow: every forward is a
+    sample and a draft. The tokens and the cache are still the plain decoder's."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
@@ -124,17 +126,20 @@ def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch):
     monkeypatch.setattr(CompiledDrafter, "__call__", lambda self, h, t: mx.zeros_like(drafted(self, h, t)))
     forwards, call = [], CompiledVerifier.__call__
     monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
-    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
+    with ops.switched("verify_keep", keep):
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain and not any(d for _, _, d in spec)
-    assert max(forwards) == speculative.MAX_PENDING + 1  # pending tokens and the draft, then absorbed
+    assert max(forwards) == (2 if keep else speculative.MAX_PENDING + 1)  # pending tokens and the draft
     _caches_equal(plain_cache, spec_cache)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["restart", "verify_keep"])
 @pytest.mark.parametrize("max_tokens", [7, 8, 9, 30])
-def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_tokens):
+def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_tokens, keep):
     """Drafts right at two positions of three, wrong at the third (so the forward queued ahead on the assumption of an
     accepted draft is undone every few forwards, the head's cache with it), generation stopping at either kind of
-    decision: the plain tokens and cache, and the confirmed drafts where the pattern puts them."""
+    decision: the plain tokens and cache, and the confirmed drafts where the pattern puts them; with verify_keep a
+    rejection rolls back to the states before the draft, and every forward is a sample and a draft."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
@@ -147,8 +152,12 @@ def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_
         return out * 0 + (want if i % 3 else want + 1)
 
     monkeypatch.setattr(CompiledDrafter, "__call__", draft)
-    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=spec_cache))
+    forwards, call = [], CompiledVerifier.__call__
+    monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
+    with ops.switched("verify_keep", keep):
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain[:max_tokens]
+    assert max(forwards) == (2 if keep else 3)  # without it a rejected forward's sample goes again
     confirmed, i = [], 1  # token 0 is sampled; a confirmed draft at i brings a sample at i + 1
     while i < max_tokens:
         confirmed += [i] if i % 3 else []
@@ -262,8 +271,9 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
 
 def _on_the_gpu(chains: str) -> None:
     """MTP decoding on the GPU's kernels (the verify's tokens through deltanet_step / attn_decode, or every chain
-    opted in; by default on CUDA the one-token steps chained, the verify not) against plain decoding, the embedded
-    4-bit model in float32: the same 40 greedy tokens, drafts accepted."""
+    opted in; by default on CUDA the one-token steps and 2-token verifies chained, longer verifies not; verify_keep:
+    the defaults keeping the states before each draft) against plain decoding, the embedded 4-bit model in float32:
+    the same 40 greedy tokens, drafts accepted."""
     from lily_mlx import ops
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
 
@@ -273,9 +283,10 @@ def _on_the_gpu(chains: str) -> None:
     prompt = mx.array(tok.encode(PROMPT))[:DECODE_TOKENS_MAX]
     names = ("moe_chain", "deltanet_chain_out", "attn_chain")
     with ops.disabled():  # restores every switch afterwards
-        for name in names if chains != "defaults" else ():
+        for name in names if chains in ("off", "opted-in") else ():
             ops.set_enabled(name, chains == "opted-in")
-        watched = names if chains == "opted-in" else ()  # by default the chains decline the verify's tokens
+        ops.set_enabled("verify_keep", chains == "verify_keep")
+        watched = names if chains == "opted-in" else ()  # by default the chains decline 3+ tokens
         before = {n: ops.declined.get(n, 0) for n in ("deltanet_step", "attn_decode", "qmv_attn", *watched)}
         plain = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
         spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=40))
@@ -284,12 +295,12 @@ def _on_the_gpu(chains: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in"])
+@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep"])
 def test_mtp_matches_plain_decoding_cuda(chains):
     _on_the_gpu(chains)
 
 
 @pytest.mark.metal
-@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in"])
+@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep"])
 def test_mtp_matches_plain_decoding_metal(chains):
     _on_the_gpu(chains)

@@ -385,37 +385,42 @@ def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, sta
 
 
 def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
-                         eps: float, mask=None, lengths=None, source=None):
+                         eps: float, mask=None, lengths=None, source=None, keep: bool = False):
     """deltanet_mix for decode tokens (T = 1, or a few after a cache: a speculative verify): one fused launch where
     the kernel applies, else the same composition. Right-padded batches (lengths) always take the composition. proj:
     the fused projection [B, T, qkv | z | b | a], or a function returning it; source = (x [B, T, K], (input norm
     weight, eps), (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute
-    proj in the same launch, and a function given for proj is then not called."""
+    proj in the same launch, and a function given for proj is then not called. keep (T >= 2, no lengths): the conv
+    state and state after all but the last token follow, what a speculative verify rolls a rejected draft back to."""
     if lengths is None and source is not None and enabled("deltanet_step") and enabled("qmv"):
         out = _try("deltanet_chain", *source, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                   num_key_heads=num_key_heads, eps=eps, mask=mask)
+                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep)
         if out is not None:
             return out
     proj = proj() if callable(proj) else proj
     if lengths is None:
         out = _try("deltanet_step", proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                   num_key_heads=num_key_heads, eps=eps, mask=mask)
+                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep)
         if out is not None:
             return out
-    return deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                        num_key_heads=num_key_heads, eps=eps, mask=mask, lengths=lengths)
+    mix = lambda p, m: deltanet_mix(p, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,  # noqa: E731
+                                    num_key_heads=num_key_heads, eps=eps, mask=m, lengths=lengths)
+    if not keep:
+        return mix(proj, mask)
+    return (*mix(proj, mask), *mix(proj[:, :-1], None if mask is None else mask[:, :-1])[1:])
 
 
 def deltanet_decode_add(x, norm, in_proj, out_proj, residual, conv_weight, conv_state, A_log, dt_bias, norm_weight,
-                        state, *, num_key_heads: int, eps: float, mask=None):
+                        state, *, num_key_heads: int, eps: float, mask=None, keep: bool = False):
     """residual + out_proj(the DeltaNet step of x) for decode tokens, the layer's whole mixer half in one launch
-    (deltanet_chain_out): (h [B, T, H], conv state, state), or None where that does not apply (the caller runs
-    deltanet_decode_step and its output projection). norm = (weight, eps); in_proj, out_proj = (w, scales, biases,
-    bits, group_size) of the fused input projection and of the output projection."""
+    (deltanet_chain_out): (h [B, T, H], conv state, state[, and with keep the two states after all but the last
+    token]), or None where that does not apply (the caller runs deltanet_decode_step and its output projection).
+    norm = (weight, eps); in_proj, out_proj = (w, scales, biases, bits, group_size) of the fused input projection
+    and of the output projection."""
     if not (enabled("deltanet_step") and enabled("qmv")):
         return None
     return _try("deltanet_chain_out", x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                num_key_heads=num_key_heads, eps=eps, mask=mask, out_proj=out_proj, residual=residual)
+                num_key_heads=num_key_heads, eps=eps, mask=mask, out_proj=out_proj, residual=residual, keep=keep)
 
 
 def rope(x, dims: int, base: float, offset) -> mx.array:

@@ -73,13 +73,14 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
 
 def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group_size: int, step_dtypes, Hk: int,
              Hv: int, Dk: int, Dv: int, W: int, masked: bool, eps: float, eps_in: float,
-             out: Optional[tuple] = None, p: Optional[dict] = None, prefetch: bool = False) -> kernels.Instance:
+             out: Optional[tuple] = None, p: Optional[dict] = None, prefetch: bool = False,
+             keep: bool = False) -> kernels.Instance:
     """step_dtypes: deltanet_step's (conv weight, A_log, dt_bias, gated norm weight) dtypes; out: (H, bits, group,
     scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out); p: plan()'s, when the caller has it;
-    prefetch: chain_prefetch's L2 hints (PF)."""
+    prefetch: chain_prefetch's L2 hints (PF); keep: deltanet_step's KEEP."""
     PW = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
     p = p or plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
-    step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"])
+    step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"], keep)
     template = step.template + (("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
                                 ("LANES", p["qmv"]["LANES"]), ("RPS", p["qmv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)))
@@ -100,11 +101,11 @@ def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, Hv, Dv, Dk, PW) or None
 
 
-def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual):
+def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep=False):
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *in_proj[:3], *args) if a is not None),
            in_proj[3:], norm[1], args[-1] is None, num_key_heads, eps, None if mask is None else mask.shape,
            None if out_proj is None else (tuple((a.shape, a.dtype) for a in (*out_proj[:3], residual)), out_proj[3:]),
-           kernels.sm_count(), enabled("chain_prefetch"))
+           keep, kernels.sm_count(), enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -120,7 +121,7 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
         p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]), key[-2])
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
                         (conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype), Hk, Hv, Dk, Dv,
-                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1])
+                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1], keep=keep)
         threads = 32 * p["WARPS"]
         blocks = p["proj_blocks"] + x.shape[0] * Hv + (0 if out is None else p["out"]["blocks"])
         launch = (list(inst.template), (blocks * threads, 1, 1), (threads, 1, 1), Hv, Dv, Dk, PW)
@@ -129,16 +130,18 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
 
 
 def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
-         eps: float, mask=None, out_proj=None, residual=None, backend: str, init_value: Optional[float] = None):
+         eps: float, mask=None, out_proj=None, residual=None, backend: str, init_value: Optional[float] = None,
+         keep: bool = False):
     """Decode tokens from the layer's input: x [B, T, K] (T: 1, or a speculative verify's few), norm = (input norm
     weight [K], eps), in_proj = (w, scales, biases, bits, group_size) of the fused projection [qkv | z | b | a]; the
     rest as deltanet_step takes them. -> (out [B, T, Hv*Dv], conv state, state, proj [B, T, PW]), and with out_proj
     (the output projection [H, Hv*Dv] as in_proj) and residual [B, T, H] also h = residual + out_proj(out) last
-    (deltanet_chain_out); None if not applicable."""
+    (deltanet_chain_out); None if not applicable. keep (T >= 2): the conv state and state after all but the last
+    token follow (deltanet_step's KEEP)."""
     if norm is None or in_proj is None or (out_proj is None) != (residual is None):
         return None
     args = (conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
-    launch = _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual)
+    launch = _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep)
     if launch is None:
         return None
     template, grid, group, Hv, Dv, Dk, PW = launch
@@ -148,7 +151,7 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
     inputs = [x, *in_proj[:3], norm[0], conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
               kernels.placeholder(mx.bool_) if mask is None else mask]
     L = x.shape[1]
-    shapes = [(B, L, Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk), (B, L, PW)]
+    shapes = [(B, L, Hv * Dv), ds.kept_shape(conv_state.shape, keep), ds.kept_shape((B, Hv, Dv, Dk), keep), (B, L, PW)]
     dtypes = [x.dtype, x.dtype, mx.float32, x.dtype]
     name = "deltanet_chain"
     if out_proj is not None:
@@ -156,7 +159,7 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
         shapes.append(residual.shape)
         dtypes.append(x.dtype)
     inputs.append(kernels.sync_counters())
-    return tuple(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value))
+    return ds.split_kept(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value), 1, keep)
 
 
 def _instances(out: bool) -> list[kernels.Instance]:
@@ -172,6 +175,11 @@ def _instances(out: bool) -> list[kernels.Instance]:
     insts += [instance(t, bf16, t, M, K, b, g, (t, f32, t, t), *heads, 4, False, 1e-6, 1e-5, o(K, b, heads))
               for heads in ds.TEST_HEADS[:2] for M in (1, 4) for t in (bf16, f32) for K, b, g in ((96, 4, 32), (256, 8, 64))
               if not out or heads[1] * heads[3] % 32 == 0]
+    # KEEP: MTP's 2-token verify of the 35B layer, and the emulated test's case
+    insts += [instance(bf16, bf16, bf16, 2, 2048, 4, 64, (bf16, f32, bf16, bf16), *ds.MODEL_HEADS[0], 4, False, 1e-6,
+                       1e-6, o(2048, 4, ds.MODEL_HEADS[0]), keep=True),
+              instance(bf16, bf16, bf16, 8, 96, 4, 32, (bf16, f32, bf16, bf16), 1, 3, 64, 32, 4, False, 1e-6, 1e-6,
+                       o(96, 4, (1, 3, 64, 32)), keep=True)]
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
@@ -206,18 +214,18 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
 ))
 
 
-def _dispatch(x, *args, **kwargs):
+def _dispatch(x, *args, keep: bool = False, **kwargs):
     from . import backend, chain_takes
 
-    out = step(x, *args, **kwargs, backend=backend()) if chain_takes("deltanet_chain", x) else None
-    return None if out is None else out[:3]
+    out = step(x, *args, **kwargs, keep=keep, backend=backend()) if chain_takes("deltanet_chain", x) else None
+    return None if out is None else out[:3] + (out[-2:] if keep else ())
 
 
-def _dispatch_out(x, *args, **kwargs):
+def _dispatch_out(x, *args, keep: bool = False, **kwargs):
     from . import backend, chain_takes
 
-    out = step(x, *args, **kwargs, backend=backend()) if chain_takes("deltanet_chain_out", x) else None
-    return None if out is None else (out[4], out[1], out[2])
+    out = step(x, *args, **kwargs, keep=keep, backend=backend()) if chain_takes("deltanet_chain_out", x) else None
+    return None if out is None else (out[4], out[1], out[2]) + (out[-2:] if keep else ())
 
 
 # deltanet_chain_out on by default on CUDA at one row (and a 2-token verify), opt-in on Metal (compile-checked only):

@@ -24,7 +24,7 @@ STATE_REGS = 64  # floats of state one lane holds per pass over its rows
 # unbounded): unbounded, Dk 32 x Dv 256 in float32 took 158 and failed at launch (H200 run 32).
 MAX_WARPS = 16
 
-SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS")
+SPEC_PARAMS = ("T", "TW", "TA", "TD", "TN", "HK", "HV", "DK", "DV", "W", "WARPS", "RB", "MASKED", "EPS_BITS", "KEEP")
 
 
 def plan(Dk: int, Dv: int) -> dict:
@@ -76,12 +76,13 @@ def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, stat
 
 
 def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int, Hk: int, Hv: int, Dk: int, Dv: int,
-             W: int, masked: bool, eps: float, launch: Optional[dict] = None) -> kernels.Instance:
+             W: int, masked: bool, eps: float, launch: Optional[dict] = None, keep: bool = False) -> kernels.Instance:
+    """keep: the states after all but the last token too (KEEP; conv_state_out and state_out get a leading 2)."""
     p = launch or plan(Dk, Dv)
     C = 2 * Hk * Dk + Hv * Dv
     template = (("T", dtype), ("TW", weight_dtype), ("TA", alog_dtype), ("TD", dt_bias_dtype), ("TN", norm_dtype),
                 ("HK", Hk), ("HV", Hv), ("DK", Dk), ("DV", Dv), ("W", W), ("WARPS", p["WARPS"]), ("RB", p["RB"]),
-                ("MASKED", bool(masked)), ("EPS_BITS", kernels.float_bits(eps)))
+                ("MASKED", bool(masked)), ("EPS_BITS", kernels.float_bits(eps)), ("KEEP", bool(keep)))
     inputs = ((dtype, (B, 1, C + Hv * Dv + 2 * Hv)), (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)),
               (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)), (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)),
               (mx.bool_, (B, 1) if masked else (1,)))
@@ -91,9 +92,9 @@ def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int,
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup) or None (not applicable)
 
 
-def _launch(args, num_key_heads, eps, mask, launch):
+def _launch(args, num_key_heads, eps, mask, launch, keep):
     key = (tuple((x.shape, x.dtype) for x in args if x is not None), args[-1] is None, num_key_heads, eps,
-           None if mask is None else mask.shape, None if launch is None else tuple(sorted(launch.items())))
+           None if mask is None else mask.shape, None if launch is None else tuple(sorted(launch.items())), keep)
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
@@ -103,7 +104,7 @@ def _launch(args, num_key_heads, eps, mask, launch):
         Hk, Hv, Dk, Dv, _ = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
         p = launch or plan(Dk, Dv)
         inst = instance(proj.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, proj.shape[0],
-                        Hk, Hv, Dk, Dv, conv_weight.shape[1], mask is not None, eps, p)
+                        Hk, Hv, Dk, Dv, conv_weight.shape[1], mask is not None, eps, p, keep)
         threads = 32 * p["WARPS"]
         out = (list(inst.template), (proj.shape[0] * Hv * threads, 1, 1), (threads, 1, 1), (Hv, Dv, Dk))
     _LAUNCH[key] = out
@@ -111,13 +112,14 @@ def _launch(args, num_key_heads, eps, mask, launch):
 
 
 def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
-                  eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None):
+                  eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None,
+                  keep: bool = False):
     """T <= MAX_TOKENS decode tokens from the fused projection proj [B, T, qkv | z | b | a]: (out [B, T, Hv*Dv] in
     proj's dtype, new conv state [B, W-1, C], new state [B, Hv, Dv, Dk] float32), or None when the kernel
     does not apply. state None means zeros; mask [B, T] bool marks real tokens (a masked token leaves the
-    state unchanged)."""
+    state unchanged). keep (T >= 2): the conv state and state after all but the last token follow."""
     args = (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
-    plan_ = _launch(args, num_key_heads, eps, mask, launch)
+    plan_ = _launch(args, num_key_heads, eps, mask, launch, keep)
     if plan_ is None:
         return None
     template, grid, group, (Hv, Dv, Dk) = plan_
@@ -126,9 +128,26 @@ def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, st
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
               kernels.placeholder(mx.bool_) if mask is None else mask]
-    shapes = [(B, proj.shape[1], Hv * Dv), conv_state.shape, (B, Hv, Dv, Dk)]
-    return tuple(kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
-                              [proj.dtype, proj.dtype, mx.float32], init_value))
+    shapes = [(B, proj.shape[1], Hv * Dv), kept_shape(conv_state.shape, keep), kept_shape((B, Hv, Dv, Dk), keep)]
+    out = kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
+                       [proj.dtype, proj.dtype, mx.float32], init_value)
+    return split_kept(out, 1, keep)
+
+
+def kept_shape(shape: tuple, keep: bool) -> tuple:
+    """A state output's shape, with KEEP's leading 2 (the final state, then the one before the last token)."""
+    return (2, *shape) if keep else tuple(shape)
+
+
+def split_kept(outputs, first: int, keep: bool) -> tuple:
+    """A launch's outputs with the conv state and state at outputs[first], [first + 1]: as they are, or with KEEP the
+    final two in their places and the two kept states appended."""
+    outputs = list(outputs)
+    if not keep:
+        return tuple(outputs)
+    conv, state = outputs[first], outputs[first + 1]
+    outputs[first], outputs[first + 1] = conv[0], state[0]
+    return (*outputs, conv[1], state[1])
 
 
 # (Hk, Hv, Dk, Dv) the project runs: Qwen3.5/3.6-35B-A3B, the embedded lily-tiny, tests/tiny.py.
@@ -149,7 +168,13 @@ def _instances() -> list[kernels.Instance]:
     for heads in TEST_HEADS:
         combos += [(f32, f32, f32, f32, f32, 3, *heads, 4, False, eps), (bf16, f32, bf16, f32, bf16, 3, *heads, 4, True, 1e-5)]
     combos.append((bf16, bf16, bf16, bf16, bf16, 3, 1, 3, 64, 32, 2, True, eps))  # conv width 2
-    return kernels.unique_instances((instance(*c) for c in combos), key=kernels.source_key)
+    insts = [instance(*c) for c in combos]
+    # KEEP (a verify's states before its last token): the models' heads, and the emulated tests' heads
+    insts += [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True) for heads in MODEL_HEADS]
+    insts += [instance(f32, f32, f32, f32, f32, 1, 2, 4, 32, 48, 4, False, eps, keep=True),
+              instance(bf16, bf16, f32, bf16, bf16, 3, 1, 3, 64, 32, 4, True, eps, keep=True),
+              instance(f32, bf16, f32, f32, f32, 2, 2, 4, 16, 24, 2, False, eps, {"WARPS": 2, "RB": 3}, keep=True)]
+    return kernels.unique_instances(insts, key=kernels.source_key)
 
 
 SPEC = kernels.register_spec(kernels.KernelSpec(
