@@ -261,7 +261,7 @@ class CompiledVerifier(CompiledDecoder):
     def __call__(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         hidden, logits, *kept = self._advance(tokens, 2)
         if kept:
-            self._kept = [(kept[2 * j], kept[2 * j + 1]) for j in range(len(self.states))], self.offset - 1
+            self._kept = _unflatten(kept, 0, len(self.states))[1], self.offset - 1
         return hidden, logits
 
     def kept(self) -> Optional[tuple]:

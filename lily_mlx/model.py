@@ -171,33 +171,30 @@ class GatedDeltaNet(nn.Module):
         state = cache[1] if cache is not None else None
         args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state)
         kw = dict(num_key_heads=self.Hk, eps=self.norm.eps, mask=mask, lengths=lengths)
-        h, kept = None, None
+        h, kept = None, ()
         # A speculative verify's cache (decode.CompiledVerifier) keeps the states after all but the last token too.
         keep = getattr(cache, "keep", False)
-        if keep and T == 1:
-            kept = (conv_state, state)
         # One token, or a few after a cache (a speculative verify): the fused decode step where a kernel applies
         # (the same composition otherwise).
         if T == 1 or (T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None):
-            keep = keep and T > 1
             source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_in.quantized())
             o = None if residual is None or source is None else output_weights(self.out_proj, residual, x.dtype)
             chained = None if o is None or lengths is not None else ops.deltanet_decode_add(
                 *source, (*o[0], o[2], o[1]), residual, *args, num_key_heads=self.Hk, eps=self.norm.eps, mask=mask,
-                keep=keep)
+                keep=keep and T > 1)
             if chained is not None:  # the output projection and the residual add included
-                h, conv_state, state, *rest = chained
+                h, conv_state, state, *kept = chained
             else:
-                out, conv_state, state, *rest = ops.deltanet_decode_step(proj, *args, source=source, keep=keep, **kw)
-            kept = tuple(rest) if keep else kept
+                out, conv_state, state, *kept = ops.deltanet_decode_step(proj, *args, source=source,
+                                                                         keep=keep and T > 1, **kw)
         else:
             if keep:
                 raise ValueError(f"a verify cache keeps its states over at most {DECODE_TOKENS_MAX} tokens, got {T}")
             out, conv_state, state = ops.deltanet_mix(proj(), *args, **kw)  # out [B, T, Hv*Dv]
         if cache is not None:
+            if keep:  # one token: the states before it are the inputs
+                cache.kept = tuple(kept) or (args[1], args[-1])
             cache[0], cache[1] = conv_state, state
-            if kept is not None:
-                cache.kept = kept
             cache.advance(T)
         if h is not None:
             return h
