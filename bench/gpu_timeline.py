@@ -125,6 +125,46 @@ def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1) ->
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
+def trace_mtp(model, accept: float, tokens: int, vocab: int) -> tuple[list[tuple], int]:
+    """The kernel records of MTP decoding (lily_mlx.speculative) at a set acceptance (bench.mtp.set_acceptance), from
+    the first token after a 64-token prompt to the last of `tokens`, and how many verify forwards ran."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lily_mlx.generation import generate_step
+    from lily_mlx.speculative import mtp_generate_step
+
+    from .mtp import counted_forwards, set_acceptance
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
+    torch.cuda.init()
+    prompt = mx.array(np.random.default_rng(0).integers(0, vocab, 64))
+    sequence = prompt.tolist() + [t for t, _ in generate_step(prompt, model, max_tokens=tokens)]
+    with set_acceptance(sequence, accept, vocab):  # the traces and compiles
+        list(mtp_generate_step(prompt, model, max_tokens=tokens))
+    calls: list = []
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    with set_acceptance(sequence, accept, vocab), counted_forwards(calls):
+        steps = mtp_generate_step(prompt, model, max_tokens=tokens)
+        next(steps)  # the prompt's prefill, untraced
+        mx.synchronize()
+        calls.clear()
+        prof.start()
+        for _ in steps:
+            pass
+        mx.synchronize()
+        prof.stop()
+    trace = Path("/tmp/lily_gpu_timeline.json")
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), *launch_shape(e.get("args", {}))) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"], len(calls)
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lily_mlx
@@ -136,19 +176,28 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1],
                     help="tokens a step: 1 is the decode step, more MTP's verify forward over that many")
+    ap.add_argument("--mtp", type=float, nargs="+", default=[], metavar="ACCEPT",
+                    help="instead, MTP decoding of 128 tokens at these set acceptances: a step is a verify forward "
+                         "with what MTP launches around it")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
               "lily_env": {k: v for k, v in os.environ.items() if k.startswith("LILY_")}, "contexts": []}
-    for ctx, tokens in ((c, n) for c in args.context for n in args.tokens):
-        records = trace_steps(model, ctx, args.steps, model.config.vocab_size, tokens)
-        t = {"context": ctx, "tokens": tokens, **timeline(records, args.steps)}
+    if args.mtp:
+        runs = (({"mtp_accept": a}, f"MTP at acceptance {a}", *trace_mtp(model, a, 128, model.config.vocab_size))
+                for a in args.mtp)
+    else:
+        runs = (({"context": c, "tokens": n}, f"context {c}, {n} token{'s' if n > 1 else ''}",
+                 trace_steps(model, c, args.steps, model.config.vocab_size, n), args.steps)
+                for c in args.context for n in args.tokens)
+    for keys, label, records, steps in runs:
+        t = {**keys, **timeline(records, steps)}
         report["contexts"].append(t)
-        print(f"context {ctx}, {tokens} token{'s' if tokens > 1 else ''} a step: {t['window_us']:.0f} us a step on the "
-              f"GPU's timeline, kernels running {t['busy_us']:.0f} us ({100 * t['busy_share']:.0f}%), idle "
-              f"{t['idle_us']:.0f} us, of it {t['idle_in_gaps_over_5us']:.0f} us in "
-              f"{t['gaps_over_5us']:.1f} gaps over 5 us; {t['kernels'] / args.steps:.0f} kernels a step", flush=True)
+        print(f"{label} a step: {t['window_us']:.0f} us a step on the GPU's timeline, kernels running "
+              f"{t['busy_us']:.0f} us ({100 * t['busy_share']:.0f}%), idle {t['idle_us']:.0f} us, of it "
+              f"{t['idle_in_gaps_over_5us']:.0f} us in {t['gaps_over_5us']:.1f} gaps over 5 us; "
+              f"{t['kernels'] / steps:.0f} kernels a step ({steps} steps)", flush=True)
         print("  largest gaps (us): " + ", ".join(f"{g:.0f}" for g in t["largest_gaps_us"]))
         for name, calls, us in t["by_kernel"]:
             print(f"  {name:60} {calls:6.1f} calls {us:8.1f} us a step")

@@ -9,7 +9,7 @@ the compiled verify forwards (those queued ahead and undone too) over the tokens
 many took each token count (a rejected forward's tokens go again with the next).
 
     python -m bench.mtp --model PATH [--prompt-tokens 64] [--tokens 128] [--accept 0 0.5 0.8 1 real] [--rounds 3]
-        [--json out.json]
+        [--with verify_keep mtp_resident] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,13 +48,24 @@ def set_acceptance(sequence: list[int], accept: float, vocab: int, seed: int = 0
             return out * 0 + (want if rng.random() < accept else (want + 1) % vocab)  # out * 0: the head still runs
         return draft
 
+    # switch mtp_resident: the position is on the GPU (the head at offset1 + pick1 drafts the token 2 after it)
+    padded = mx.array(sequence + [0, 0, 0], dtype=mx.int32)
+    real_picked = CompiledDrafter.picked
+
+    def picked(self, hidden, next_tokens, offset1, pick1, length):
+        out = real_picked(self, hidden, next_tokens, offset1, pick1, length)
+        want = mx.take(padded, mx.minimum(offset1 + pick1 + 2, padded.size - 1))
+        return out * 0 + (want if rng.random() < accept else (want + 1) % vocab)
+
     for cls in drafters:
         cls.__call__ = patched(cls)
+    CompiledDrafter.picked = picked
     try:
         yield
     finally:
         for cls, call in real.items():
             cls.__call__ = call
+        CompiledDrafter.picked = real_picked
 
 
 @contextlib.contextmanager
@@ -62,12 +73,13 @@ def counted_forwards(calls: list):
     """Every compiled verify forward appended to calls: the ones queued ahead and undone count too."""
     from lily_mlx.decode import CompiledVerifier
 
-    real = CompiledVerifier.__call__
+    real, real_selected = CompiledVerifier.__call__, CompiledVerifier.selected
     CompiledVerifier.__call__ = lambda self, tokens: calls.append(tokens.shape[1]) or real(self, tokens)
+    CompiledVerifier.selected = lambda self, tokens, *a: calls.append(tokens.shape[1]) or real_selected(self, tokens, *a)
     try:
         yield
     finally:
-        CompiledVerifier.__call__ = real
+        CompiledVerifier.__call__, CompiledVerifier.selected = real, real_selected
 
 
 def timed(steps) -> tuple[list[int], list[bool], float]:
@@ -85,6 +97,7 @@ def timed(steps) -> tuple[list[int], list[bool], float]:
 def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lily_mlx
+    from lily_mlx import ops
     from lily_mlx.generation import generate_step
     from lily_mlx.speculative import check_model, mtp_generate_step
 
@@ -95,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accept", nargs="+", default=["0", "0.5", "0.8", "1"],
                     help="acceptances to set (0 to 1), or 'real' for the head's own drafts")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported")
+    ap.add_argument("--with", dest="variants", nargs="*", default=[], metavar="SWITCHES",
+                    help="each acceptance also with these switches on (comma-separated names a variant), in the same "
+                         "process and rounds")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
@@ -107,7 +123,8 @@ def main(argv=None) -> int:
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, args.prompt_tokens))
     plain_tokens = timed(generate_step(prompt, model, max_tokens=args.tokens))[0]  # also the warm-up
     sequence = prompt.tolist() + plain_tokens
-    arms = ["plain"] + args.accept
+    variants = [""] + args.variants
+    arms = ["plain"] + [(a, v) for a in args.accept for v in variants]
     runs: dict[str, list] = {arm: [] for arm in arms}
     forwards: dict[str, list] = {arm: [] for arm in arms}  # verify forwards a generated token
     sizes: dict[str, collections.Counter] = {arm: collections.Counter() for arm in arms}  # tokens a verify forward
@@ -118,8 +135,9 @@ def main(argv=None) -> int:
                 steps = generate_step(prompt, model, max_tokens=args.tokens)
                 result = timed(steps)
             else:
-                with set_acceptance(sequence, float(arm), vocab, seed=r) if arm != "real" else contextlib.nullcontext(), \
-                        counted_forwards(calls):
+                accept, switches = arm
+                with set_acceptance(sequence, float(accept), vocab, seed=r) if accept != "real" else \
+                        contextlib.nullcontext(), counted_forwards(calls), ops.switched([n for n in switches.split(",") if n], True):
                     result = timed(mtp_generate_step(prompt, model, max_tokens=args.tokens))
             if r:
                 runs[arm].append(result)
@@ -133,17 +151,18 @@ def main(argv=None) -> int:
         tps = statistics.median(tps for _, _, tps in runs[arm])
         share = statistics.mean(sum(d) / len(d) for _, d, _ in runs[arm])
         per_token = statistics.mean(forwards[arm])
-        row = {"arm": arm, "same_tokens": same, "tok_s": tps if same else None, "draft_share": share,
+        accept, switches = ("plain", "") if arm == "plain" else arm
+        row = {"arm": accept, "switches": switches, "same_tokens": same, "tok_s": tps if same else None, "draft_share": share,
                "forwards_per_token": per_token, "vs_plain": tps / plain_tps if same else None,
                "forward_tokens": dict(sorted(sizes[arm].items())), "rounds_tok_s": [t for _, _, t in runs[arm]]}
         report["rows"].append(row)
-        label = "plain greedy" if arm == "plain" else f"MTP, acceptance {arm}"
+        label = "plain greedy" if arm == "plain" else f"MTP, acceptance {accept}" + (f", {switches}" if switches else "")
         if same:
             mix = ", ".join(f"{n} x {t}" for t, n in sorted(sizes[arm].items()))
-            print(f"{label:28} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens, "
+            print(f"{label:44} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens, "
                   f"{per_token:.2f} forwards a token" + (f" (forwards by tokens: {mix})" if mix else ""), flush=True)
         else:
-            print(f"{label:28} FAILED: its tokens differ from plain greedy decoding's", flush=True)
+            print(f"{label:44} FAILED: its tokens differ from plain greedy decoding's", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0 if all(r["same_tokens"] for r in report["rows"]) else 1

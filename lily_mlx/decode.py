@@ -45,10 +45,17 @@ ops.register_switch("kv_write", "compiled decode: attn_chain writes the new K/V 
 ops.register_switch("batched_attn_decode", "a left-padded batch's decode attention in the fused kernel",
                     default_on=False)
 # A rejected draft then costs no re-run: the next verify takes [sample, draft] from the kept states, where without it
-# the rejected forward's tokens go again (3-5 tokens a verify). Opt-in until its cuda tests and bench.mtp have run on
-# a GPU (deltanet_step's KEEP is emulated and compile-checked only).
+# the rejected forward's tokens go again (3-5 tokens a verify). Where mtp_resident does not apply (logits processors).
+# On by default on CUDA: bench.mtp in one process, H100 run 86, tok/s at acceptance 0 / 0.5 / 0.8 / 1: 93 -> 131,
+# 196 -> 252, 330 -> 397, 517 -> 522.
 ops.register_switch("verify_keep", "MTP's verify forward keeps the DeltaNet states before its last token, which a "
-                    "rejected draft rolls back to", default_on=False)
+                    "rejected draft rolls back to", default_on="cuda")
+# Without it the host decides each draft and queues the next forward as if it stood, so a rejection wastes the forward
+# queued ahead: (1 + a) / (2 - a) tokens a forward at acceptance a instead of 1 + a. Its select of the DeltaNet states
+# runs beside the layers (CUDA graph branches: +100 us a forward). On by default on CUDA: H100 run 86, against
+# verify_keep, 131 -> 253, 252 -> 368, 397 -> 449 (0.98x plain greedy's 456), 522 -> 501 tok/s.
+ops.register_switch("mtp_resident", "MTP decoding decides each draft on the GPU: the next verify forward starts from "
+                    "the states its draft's fate picks, so no forward is queued on a guess", default_on="cuda")
 
 
 def row_positions(start1: mx.array, shape) -> mx.array:
@@ -172,11 +179,13 @@ class CompiledDecoder:
 
     KIND = "single"  # the traced step's output: the last logits ("verify": CompiledVerifier's)
 
-    def _kind(self) -> str:
-        """The traced step: _step_function's name for this decoder's output over its K/V layout."""
+    def _kind(self, kind: Optional[str] = None) -> str:
+        """The traced step: _step_function's name for this decoder's output (kind, default KIND) over its K/V
+        layout."""
+        kind = kind or self.KIND
         if self.stacked:
-            return "stacked" if self.KIND == "single" else "stacked_" + self.KIND
-        return self.KIND
+            return "stacked" if kind == "single" else "stacked_" + kind
+        return kind
 
     def __init__(self, model, cache: List[Any], reserve: int = STEP):
         self.model, self.cache = model, cache
@@ -255,7 +264,7 @@ class CompiledVerifier(CompiledDecoder):
     def __init__(self, model, cache: List[Any], reserve: int = STEP):
         if ops.enabled("verify_keep"):
             self.KIND = "verify_keep"
-        self._kept = None
+        self._kept = self._selected = None
         super().__init__(model, cache, reserve)
 
     def __call__(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -268,6 +277,22 @@ class CompiledVerifier(CompiledDecoder):
         """With switch verify_keep, a snapshot of the last forward's states before its last token (restore() takes
         it: a rejected draft rolls back to it, its other tokens kept); else None."""
         return self._kept
+
+    def selected(self, tokens: mx.array, offset1: mx.array, accept1: mx.array, after: list, before: list,
+                 length: int) -> tuple[mx.array, mx.array, list, list]:
+        """A forward whose start the GPU picks (switch mtp_resident): tokens [B, T] at offset1 ([1] int32, computed
+        on the GPU), from the DeltaNet (conv, state) pairs `after` where accept1 ([1] bool) else `before`. ->
+        (hidden, logits, the pairs after its tokens, the pairs before its last token). K/V rows go at offset1 and
+        past; `length` bounds offset1 + T for the cache's room. The host's states and offset stay as they were
+        (restore() sets them)."""
+        if self._selected is None:
+            self._selected = _shared_step(self.model, len(self.cache), self.kv_index, self.state_index,
+                                          self._kind("verify_select"))
+        self.kv = _with_room(self.kv, length)
+        out = self._selected(_token_ids(tokens), offset1, accept1, *_flatten(self.kv, after), *_flatten([], before))
+        n = 2 + 2 * (len(self.kv) + len(self.states))
+        self.kv, after = _unflatten(out[2:n], len(self.kv), len(self.states))
+        return out[0], out[1], after, _unflatten(out[n:], 0, len(self.states))[1]
 
     def snapshot(self) -> tuple:
         return list(self.states), self.offset
@@ -289,6 +314,8 @@ class CompiledDrafter:
                    for c in mtp_cache]
         n = len(mtp_cache)
         self._fn = _shared_step(model, n, list(range(n)), [], "draft")
+        self._pick_step = lambda: _shared_step(model, n, list(range(n)), [], "draft_pick")  # traced at first use
+        self._picked = None
 
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         L = next_tokens.shape[-1]
@@ -296,6 +323,17 @@ class CompiledDrafter:
         out = self._fn(hidden, _token_ids(next_tokens), kernels.int32_scalar(self.offset), *_flatten(self.kv, []))
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         self.offset += L
+        return out[0]
+
+    def picked(self, hidden: mx.array, next_tokens: mx.array, offset1: mx.array, pick1: mx.array,
+               length: int) -> mx.array:
+        """The draft [B] int32 after position pick1 ([1] int32) of hidden [B, L, H] and next_tokens [B, L], whose
+        K/V rows go at offset1 ([1] int32): both computed on the GPU (switch mtp_resident); `length` bounds
+        offset1 + L. The host's offset stays as it was."""
+        self._picked = self._picked or self._pick_step()
+        self.kv = _with_room(self.kv, length)
+        out = self._picked(hidden, _token_ids(next_tokens), offset1, pick1, *_flatten(self.kv, []))
+        self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
         return out[0]
 
     def snapshot(self) -> int:
@@ -418,14 +456,33 @@ def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int
     return (*out, *_flatten([(s.keys, s.values) for s in shims], states), *_flatten([], kept))
 
 
-def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int], hidden, next_tokens, offset1, *flat):
+def _draft_step(model, n_cache: int, kv_index: List[int], state_index: List[int], hidden, next_tokens, offset1, *flat,
+                pick1: Optional[mx.array] = None):
     """The MTP head over positions hidden [B, L, H] with tokens next_tokens [B, L], its K/V written from offset1: the
-    argmax draft for the token after the last [B] int32, then its K/V arrays."""
+    argmax draft for the token after the last (or after position pick1 [1] int32) [B] int32, then its K/V arrays."""
     offset = offset1.reshape(())
     kv, _ = _unflatten(flat, len(kv_index), 0)
     pos = _new_rows(kv, next_tokens.shape[1], offset1)
     shims = [_StaticKV(k, v, offset, offset1, pos) for k, v in kv]
-    return (model.mtp_draft(hidden, next_tokens, shims), *_flatten([(s.keys, s.values) for s in shims], []))
+    draft = model.mtp_draft(hidden, next_tokens, shims, pick=pick1)
+    return (draft, *_flatten([(s.keys, s.values) for s in shims], []))
+
+
+def _draft_pick_step(model, n_cache: int, kv_index: List[int], state_index: List[int], hidden, next_tokens, offset1,
+                     pick1, *flat):
+    return _draft_step(model, n_cache, kv_index, state_index, hidden, next_tokens, offset1, *flat, pick1=pick1)
+
+
+def _selected_step(step: Callable, model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1,
+                   accept1, *flat):
+    """A verify forward from the last one's DeltaNet states after its draft where accept1 [1] bool (the draft
+    confirmed), else before it: flat holds the K/V, then both sets of (conv, state) pairs. The select reads both sets
+    and writes one (2 MB of state a layer at the 35B shape): deltanet_step reading a stacked pair by index would not."""
+    n = 2 * len(state_index)
+    after, before = flat[len(flat) - 2 * n:len(flat) - n], flat[len(flat) - n:]
+    states = [mx.where(accept1, a, b) for a, b in zip(after, before)]
+    return step(model, n_cache, kv_index, state_index, tokens, offset1, *flat[:len(flat) - 2 * n], *states,
+                head=verify_outputs, keep=True)
 
 
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
@@ -503,10 +560,14 @@ def _shared_step(model, n_cache: int, kv_index: List[int], state_index: List[int
 
 def _step_function(kind: str) -> Callable:
     """The traced step of a kind: a decode step over per-layer or stacked K/V ("single", "stacked"), a batch's,
-    or either of the first two returning a speculative verify's outputs ("verify", "stacked_verify"), or the MTP
-    head's draft ("draft")."""
-    if kind == "draft":
-        return _draft_step
+    or either of the first two returning a speculative verify's outputs ("verify", "stacked_verify"; "_keep" with the
+    states before the last token; "_select" from states picked on the GPU, CompiledVerifier.selected), or the MTP
+    head's draft ("draft"; "draft_pick" after a position picked on the GPU)."""
+    if kind.startswith("draft"):
+        return _draft_pick_step if kind == "draft_pick" else _draft_step
+    if kind.endswith("verify_select"):
+        step = _stacked_step if kind.startswith("stacked") else _decode_step
+        return lambda *args: _selected_step(step, *args)
     if kind.endswith(("verify", "verify_keep")):
         step = _stacked_step if kind.startswith("stacked") else _decode_step
         keep = kind.endswith("keep")

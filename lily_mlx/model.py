@@ -536,10 +536,11 @@ class Model(nn.Module):
         """Logits [B, L, V] for token t+2 (see mtp_hidden)."""
         return self.language_model.logits(self.mtp_hidden(hidden, next_tokens, cache))
 
-    def mtp_draft(self, hidden: mx.array, next_tokens: mx.array, cache=None) -> mx.array:
-        """The MTP head's greedy draft [B] int32 for the token after the last of next_tokens (see mtp_hidden): the
-        lm_head scores the last position only."""
-        h = self.mtp_hidden(hidden, next_tokens, cache)[:, -1]
+    def mtp_draft(self, hidden: mx.array, next_tokens: mx.array, cache=None, pick: Optional[mx.array] = None) -> mx.array:
+        """The MTP head's greedy draft [B] int32 for the token after the last of next_tokens, or after position pick
+        ([1] int32, an array so the GPU may choose it) (see mtp_hidden): the lm_head scores that position only."""
+        h = self.mtp_hidden(hidden, next_tokens, cache)
+        h = h[:, -1] if pick is None else mx.take(h, pick, axis=1)[:, 0]  # [B, H]
         return ops.argmax(self.language_model.logits(h)).astype(mx.int32)
 
     def make_cache(self, max_kv_size: Optional[int] = None) -> list[Any]:

@@ -17,7 +17,11 @@ state at t and token t+1.
 
 The host does not wait with the GPU idle: while it waits for a forward's samples, the next draft and forward are
 already queued as if the draft stood (the plain decoder's pipelining, one forward ahead). A rejection undoes both
-(the main model's state as above, the head's cache by its length) before the pending tokens go again.
+(the main model's state as above, the head's cache by its length) before the pending tokens go again. With switch
+mtp_resident the GPU decides instead: the next forward takes [s2, its draft] from the states after both tokens where
+the draft stood, else [s1, its draft] from the states before the draft, its offset one further where it stood, and
+the head drafts from the position the decision picks. No forward is queued on a guess, so none is wasted; the host
+only reads each forward's samples, one forward behind.
 
 Both run compiled per token count (decode.CompiledVerifier, decode.CompiledDrafter) where the compiled decode step
 applies, and the verify forward takes the decode kernels over its 2-5 tokens (model.DECODE_TOKENS_MAX): as many
@@ -33,6 +37,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
+from . import ops
 from .decode import STEP, CompiledDrafter, CompiledVerifier, verify_outputs
 from .generation import sample_logprobs
 from .memory import bounded_prefill
@@ -114,6 +119,100 @@ class _Forward(NamedTuple):
     hidden: mx.array
 
 
+class _Resident(NamedTuple):
+    """One verify forward queued by the GPU's decision (switch mtp_resident): its offset (a [4] int32 whose first
+    entry the kernels read), its draft d [1], samples s1, s2 and their log-probabilities, its last two positions'
+    hidden states, and the DeltaNet states it leaves after both tokens and before its draft."""
+
+    offset4: mx.array
+    d: mx.array
+    s1: mx.array
+    lp1: mx.array
+    s2: mx.array
+    lp2: mx.array
+    hidden: mx.array
+    after: list
+    before: list
+
+
+@mx.compile
+def _decide(s1: mx.array, s2: mx.array, d: mx.array, offset4: mx.array):
+    """A forward's fate on the GPU: accept [1] (its draft d confirmed) as bool and as the position the head drafts
+    after, the head's tokens [1, 2], and the next forward's first token (s2 after a confirmed draft, else s1) and
+    offset (one further after a confirmed draft)."""
+    accept = s1 == d
+    pick = accept.astype(mx.int32)
+    return accept, pick, mx.concatenate([s1, s2])[None], mx.where(accept, s2, s1), offset4 + 1 + pick
+
+
+def _resident_steps(main: CompiledVerifier, drafter: CompiledDrafter, sample: Callable, ids: List[int],
+                    first_lp: mx.array, d: mx.array, max_tokens: int, n_prompt: int, prompt_cache):
+    """mtp_generate_step's loop with the accept decision on the GPU (switch mtp_resident; no logits processors: they
+    read the decided tokens on the host). ids: the prompt and the first sample, whose log-probabilities are first_lp;
+    d: the head's draft after it."""
+
+    def queue(token, d, offset4, accept, after, before, length) -> _Resident:
+        tokens = mx.concatenate([token, d])[None]
+        hidden, logits, after, before = main.selected(tokens, offset4[:1], accept, after, before, length)
+        s1, lp1 = sample(logits[0, -2], None)
+        s2, lp2 = sample(logits[0, -1], None)
+        # d itself, not a slice of tokens: a new op's .item() would wait for everything queued before it
+        mx.async_eval(d, s1, s2, lp1, lp2)
+        return _Resident(offset4, d, s1, lp1, s2, lp2, hidden, after, before)
+
+    def queue_after(f: _Resident, offset: int) -> _Resident:
+        """The forward after f, which starts at f's offset `offset` (the host's): at most 2 further."""
+        accept, pick, pair, token, offset4 = _decide(f.s1, f.s2, f.d, f.offset4)
+        d = drafter.picked(f.hidden, pair, f.offset4[:1], pick, offset + 2)
+        return queue(token, d, offset4, accept, f.after, f.before, offset + 4)
+
+    def needed(decided: int) -> bool:
+        """Whether a forward after `decided` tokens can yield one max_tokens allows."""
+        return max_tokens < 0 or decided < max_tokens
+
+    settled = main.states, len(ids) - 1  # the decided states: every token before ids[settled[1]]
+    oldest = None  # the oldest forward not yet decided
+    if needed(1):
+        oldest = queue(mx.array(ids[-1:], dtype=mx.int32), d, mx.full((4,), settled[1], dtype=mx.int32),
+                       mx.array([True]), settled[0], settled[0], settled[1] + 2)
+    ready = [(ids[-1], first_lp, False)]  # decided, not yet yielded
+    yielded = since_clear = 0
+    try:
+        while True:
+            # The next forward is queued before the host waits on oldest's samples; the GPU decides where it starts.
+            ahead = queue_after(oldest, settled[1]) if needed(yielded + len(ready) + 1) else None
+            for item in ready:
+                if yielded == max_tokens:
+                    return
+                yield item
+                yielded += 1
+            if yielded == max_tokens:
+                return
+            d_id, s1_id = oldest.d.item(), oldest.s1.item()
+            if s1_id == d_id:
+                s2_id = oldest.s2.item()
+                ids += [d_id, s2_id]
+                ready = [(d_id, oldest.lp1, True), (s2_id, oldest.lp2, False)]
+                settled = oldest.after, len(ids) - 1
+            else:
+                ids.append(s1_id)
+                ready = [(s1_id, oldest.lp1, False)]
+                settled = oldest.before, len(ids) - 1
+            oldest = ahead
+            since_clear += len(ready)
+            if since_clear >= 256:
+                mx.clear_cache()
+                since_clear = 0
+    finally:
+        if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
+            main.restore(settled)
+            missing = ids[settled[1]:n_prompt + yielded]
+            if missing:
+                main(mx.array(missing, dtype=mx.int32)[None])
+            main.write_back()
+            mx.eval([c.state for c in main.cache])
+
+
 def mtp_generate_step(
     prompt: mx.array,
     model,
@@ -189,6 +288,9 @@ def mtp_generate_step(
             reserve = max_tokens + max_pending + 4 if max_tokens > 0 else STEP
             main, drafter = CompiledVerifier(model, cache, reserve), CompiledDrafter(model, mtp_cache, reserve)
         ids.append(token.item())
+        if isinstance(main, CompiledVerifier) and ops.enabled("mtp_resident") and not logits_processors:
+            yield from _resident_steps(main, drafter, sample, ids, logprobs, d, max_tokens, n_prompt, prompt_cache)
+            return
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
         oldest = forward(mx.array(ids[-1:], dtype=mx.int32), ids[-1:], d)  # the oldest forward not yet decided
         yielded = since_clear = 0

@@ -246,15 +246,14 @@ step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env
 step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" \
   --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
 # MTP end to end at a set acceptance (the random model's head is untrained: bench.mtp swaps in the plain decoder's
-# own token after the head has run), against plain greedy decoding in the same process.
-step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults)" python3 -m bench.mtp --model "$model" \
-  --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp.json"
-step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
-  python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_chains.json"
-# verify_keep (opt-in until this and its cuda tests have run): a rejected draft rolls back to the states before it, so
-# every verify is a sample and a draft (2 tokens, chained) instead of re-running the rejected forward's tokens.
-step 60 200 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (verify_keep)" env LILY_MLX_ENABLE=verify_keep \
-  python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 --json "$res/mtp_keep.json"
+# own token after the head has run), against plain greedy decoding in the same process: the defaults (on CUDA the
+# GPU decides each draft: mtp_resident, verify_keep), the host's loop with and without verify_keep, and every chain
+# at every row; then the GPU's timeline of the defaults' MTP decoding (a step: a verify forward and its draft).
+step 60 300 "MTP decoding at acceptance 0 / 0.5 / 0.8 / 1 (defaults, the host's loop, chains at every row)" \
+  env LILY_MLX_DISABLE=mtp_resident,verify_keep python3 -m bench.mtp --model "$model" --tokens 128 --accept 0 0.5 0.8 1 --rounds 3 \
+  --with mtp_resident verify_keep mtp_resident,$rows_chains --json "$res/mtp.json"
+step 60 150 "MTP decoding on the GPU's timeline at acceptance 0.8 and 1 (defaults)" python3 -m bench.gpu_timeline \
+  --model "$model" --mtp 0.8 1 --json "$res/timeline_mtp.json"
 # Each kernel's GPU time and DRAM bytes in decode steps at context 64 and 4096 (ncu, no launch gaps; the first 8
 # layers), the defaults and every chain: run 33 found attn_decode at 255 us a layer at 4096 (33 GB/s); run 36 (H100)
 # the chained step's kernels 8% slower than the unchained ones they replace, and both at 0.1-1 TB/s but the lm_head.

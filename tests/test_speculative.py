@@ -38,19 +38,22 @@ def _caches_equal(a, b):
                 assert mx.allclose(s, t, atol=1e-5).item(), f"layer {i}: DeltaNet state differs"
 
 
+@pytest.mark.parametrize("resident", [False, True], ids=["host-decides", "resident"])
 @pytest.mark.parametrize("penalty", [None, 1.3], ids=["greedy", "repetition-penalty"])
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 40])
-def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty):
+def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty, resident):
     """The same tokens as generate_step, and the caller's cache ends as generate_step leaves it (the prompt and every
-    yielded token, no draft), whether generation stops after an accepted or a rejected draft."""
+    yielded token, no draft), whether generation stops after an accepted or a rejected draft; with mtp_resident too
+    (logits processors keep the host's loop)."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     procs = None if penalty is None else make_logits_processors(repetition_penalty=penalty, repetition_context_size=16)
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens, logits_processors=procs,
                                          prompt_cache=plain_cache)]
-    spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, logits_processors=procs,
-                                              prompt_cache=spec_cache))
+    with ops.switched("mtp_resident", resident):
+        spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, logits_processors=procs,
+                                                  prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain
     assert all(lp.shape == (model.config.vocab_size,) for _, lp, _ in spec)
     _caches_equal(plain_cache, spec_cache)
@@ -112,57 +115,85 @@ def test_eager_forwards_without_compiled_decode(embedded):
     _caches_equal(plain_cache, spec_cache)
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["restart", "verify_keep"])
-def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch, keep):
+def _counted(monkeypatch) -> list:
+    """The token count of every verify forward queued, by the host's loop or by the GPU's decision."""
+    forwards, call, selected = [], CompiledVerifier.__call__, CompiledVerifier.selected
+    monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
+    monkeypatch.setattr(CompiledVerifier, "selected",
+                        lambda self, x, *a: forwards.append(("selected", x.shape[1])) or selected(self, x, *a))
+    return forwards
+
+
+LOOPS = {"restart": dict(verify_keep=False, mtp_resident=False), "verify_keep": dict(verify_keep=True,
+         mtp_resident=False), "resident": dict(verify_keep=False, mtp_resident=True)}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_rejections_in_a_row_are_absorbed(embedded, monkeypatch, loop):
     """An MTP head that drafts token 0 every time: every draft is rejected, the pending tokens grow to MAX_PENDING and
     are absorbed, or with verify_keep (the states before each forward's draft kept) never grow: every forward is a
-    sample and a draft. The tokens and the cache are still the plain decoder's."""
+    sample and a draft. With mtp_resident each forward is decided on the GPU: one forward a token, none undone. The
+    tokens and the cache are still the plain decoder's."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=13, prompt_cache=plain_cache)]
-    real, drafted = model.mtp_hidden, CompiledDrafter.__call__
+    real, drafted, picked = model.mtp_hidden, CompiledDrafter.__call__, CompiledDrafter.picked
     monkeypatch.setattr(model, "mtp_hidden", lambda h, t, c=None: mx.zeros_like(real(h, t, c)))  # logits all 0
     monkeypatch.setattr(CompiledDrafter, "__call__", lambda self, h, t: mx.zeros_like(drafted(self, h, t)))
-    forwards, call = [], CompiledVerifier.__call__
-    monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
-    with ops.switched("verify_keep", keep):
+    monkeypatch.setattr(CompiledDrafter, "picked", lambda self, *a: mx.zeros_like(picked(self, *a)))
+    forwards = _counted(monkeypatch)
+    with ops.switched([n for n, on in LOOPS[loop].items() if on], True), \
+            ops.switched([n for n, on in LOOPS[loop].items() if not on], False):
         spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=13, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain and not any(d for _, _, d in spec)
-    assert max(forwards) == (2 if keep else speculative.MAX_PENDING + 1)  # pending tokens and the draft
+    if loop == "resident":  # the first token is the prompt's, then 12 forwards of one token each (none queued past
+        assert forwards == [("selected", 2)] * 12 + [1]  # max_tokens), and the last token into the caller's cache
+    else:
+        assert max(forwards) == (2 if loop == "verify_keep" else speculative.MAX_PENDING + 1)  # pending, and a draft
     _caches_equal(plain_cache, spec_cache)
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["restart", "verify_keep"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("max_tokens", [7, 8, 9, 30])
-def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_tokens, keep):
+def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_tokens, loop):
     """Drafts right at two positions of three, wrong at the third (so the forward queued ahead on the assumption of an
     accepted draft is undone every few forwards, the head's cache with it), generation stopping at either kind of
     decision: the plain tokens and cache, and the confirmed drafts where the pattern puts them; with verify_keep a
-    rejection rolls back to the states before the draft, and every forward is a sample and a draft."""
+    rejection rolls back to the states before the draft, and every forward is a sample and a draft; with mtp_resident
+    no forward is undone (the GPU picks each one's start), so there is one forward a decision."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=max_tokens + 2, prompt_cache=plain_cache)]
-    n, drafted = prompt.size, CompiledDrafter.__call__
+    n, drafted, picked = prompt.size, CompiledDrafter.__call__, CompiledDrafter.picked
 
-    def draft(self, h, t):  # the head at position p drafts token p + 2; offset is now the last p + 1
-        out, i = drafted(self, h, t), self.offset + 1 - n
+    def drafting(out, p):  # the head at position p drafts token p + 2
+        i = p + 2 - n
         want = plain[i] if 0 <= i < len(plain) else 0
         return out * 0 + (want if i % 3 else want + 1)
 
-    monkeypatch.setattr(CompiledDrafter, "__call__", draft)
-    forwards, call = [], CompiledVerifier.__call__
-    monkeypatch.setattr(CompiledVerifier, "__call__", lambda self, x: forwards.append(x.shape[1]) or call(self, x))
-    with ops.switched("verify_keep", keep):
+    # the host's loop: the head's offset is now the last p + 1; the GPU's: it drafts after position offset1 + pick1
+    monkeypatch.setattr(CompiledDrafter, "__call__", lambda self, h, t: drafting(drafted(self, h, t), self.offset - 1))
+    monkeypatch.setattr(CompiledDrafter, "picked", lambda self, h, t, offset1, pick1, length: drafting(
+        picked(self, h, t, offset1, pick1, length), offset1.item() + pick1.item()))
+    forwards = _counted(monkeypatch)
+    with ops.switched([n for n, on in LOOPS[loop].items() if on], True), \
+            ops.switched([n for n, on in LOOPS[loop].items() if not on], False):
         spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain[:max_tokens]
-    assert max(forwards) == (2 if keep else 3)  # without it a rejected forward's sample goes again
-    confirmed, i = [], 1  # token 0 is sampled; a confirmed draft at i brings a sample at i + 1
+    confirmed, i, decisions = [], 1, 0  # token 0 is sampled; a confirmed draft at i brings a sample at i + 1
     while i < max_tokens:
         confirmed += [i] if i % 3 else []
         i += 2 if i % 3 else 1
+        decisions += 1
     assert [i for i, (_, _, d) in enumerate(spec) if d] == confirmed
+    if loop == "resident":  # one forward a decision, none undone; one past them where the last brought 2 tokens
+        selected = [f for f in forwards if isinstance(f, tuple)]  # (the host cannot know it would), then what the
+        assert set(selected) == {("selected", 2)} and forwards[:len(selected)] == selected  # caller's cache lacks
+        assert decisions <= len(selected) <= decisions + 1
+    else:
+        assert max(forwards) == (2 if loop == "verify_keep" else 3)  # without it a rejected forward's sample goes again
     plain_cache = model.make_cache()
     list(generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=plain_cache))
     _caches_equal(plain_cache, spec_cache)
@@ -265,14 +296,18 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
         counts = _primitives(out, tmp_path / f"verify{T}.dot")
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
         print(f"verify step, {T} tokens, chains {chains}: {totals[T]} primitives")
-    first = 3 if chains == "defaults" else 1  # by default the chains take one or two tokens: compare like with like
+    # By default the chains take one or two tokens, and on CUDA verify_keep's kept states cost 3 views a DeltaNet
+    # state (a split and two squeezes) from 2 tokens on: compare like with like.
+    first = 3 if chains == "defaults" else 2
     assert totals[5] <= totals[first] + 2  # the slice of the last two positions
+    assert totals[2] <= totals[1] + 2 + 2 * 3 * 30
 
 
 def _on_the_gpu(chains: str) -> None:
     """MTP decoding on the GPU's kernels (the verify's tokens through deltanet_step / attn_decode, or every chain
     opted in; by default on CUDA the one-token steps and 2-token verifies chained, longer verifies not; verify_keep:
-    the defaults keeping the states before each draft) against plain decoding, the embedded 4-bit model in float32:
+    the defaults keeping the states before each draft; resident: the defaults deciding each draft on the GPU) against
+    plain decoding, the embedded 4-bit model in float32:
     the same 40 greedy tokens, drafts accepted."""
     from lily_mlx import ops
     from lily_mlx.embedded import EMBEDDED_4BIT_MODEL
@@ -286,6 +321,7 @@ def _on_the_gpu(chains: str) -> None:
         for name in names if chains in ("off", "opted-in") else ():
             ops.set_enabled(name, chains == "opted-in")
         ops.set_enabled("verify_keep", chains == "verify_keep")
+        ops.set_enabled("mtp_resident", chains == "resident")
         watched = names if chains == "opted-in" else ()  # by default the chains decline 3+ tokens
         before = {n: ops.declined.get(n, 0) for n in ("deltanet_step", "attn_decode", "qmv_attn", *watched)}
         plain = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
@@ -295,12 +331,12 @@ def _on_the_gpu(chains: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep"])
+@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep", "resident"])
 def test_mtp_matches_plain_decoding_cuda(chains):
     _on_the_gpu(chains)
 
 
 @pytest.mark.metal
-@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep"])
+@pytest.mark.parametrize("chains", ["off", "defaults", "opted-in", "verify_keep", "resident"])
 def test_mtp_matches_plain_decoding_metal(chains):
     _on_the_gpu(chains)
