@@ -97,10 +97,11 @@ def mean_of(launches: list[dict]) -> dict:
     return out
 
 
-def trace(model, context: int, steps: int, vocab: int, compiled: bool = False) -> dict[str, list[dict]]:
+def trace(model, context: int, steps: int, vocab: int, compiled: bool = False, tokens: int = 1) -> dict[str, list[dict]]:
     """phases() of every chained launch over `steps` decode steps after a `context`-token prefill, by kernel: eager
-    steps, or with `compiled` the compiled decoder's (as generate runs them; each launch site's counters are a
-    constant of the trace, so its records are those of the step just run, read after each)."""
+    steps (of `tokens` tokens each: more is MTP's verify forward, which the chains take at 2), or with `compiled` the
+    compiled decoder's (as generate runs them; each launch site's counters are a constant of the trace, so its
+    records are those of the step just run, read after each)."""
     import mlx.core as mx
 
     from lily_mlx.decode import CompiledDecoder
@@ -112,7 +113,10 @@ def trace(model, context: int, steps: int, vocab: int, compiled: bool = False) -
     if not blocks:
         raise SystemExit(f"chain_trace: set {kernels.DEFINES_ENV}=LILY_CHAIN_TRACE=<blocks>, e.g. 4096")
     cache, tok = prefilled_cache(model, context, vocab), mx.array([[1]])
-    step_fn = CompiledDecoder(model, cache, reserve=steps + 16) if compiled else lambda t: model(t, cache=cache)[:, -1]
+    if compiled and tokens != 1:
+        raise SystemExit("chain_trace: --compiled traces one-token steps only")
+    step_fn = CompiledDecoder(model, cache, reserve=steps + 16) if compiled else \
+        lambda t: model(mx.repeat(t.reshape(1, 1), tokens, axis=1), cache=cache)[:, -1]
     launches, last, real = {}, {}, kernels.call
 
     def spy(name, backend, inputs, template, grid, threadgroup, *args, **kwargs):
@@ -159,17 +163,18 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[64])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--compiled", action="store_true", help="the compiled decoder's steps, not eager ones")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1], help="tokens an eager step (2: MTP's verify)")
     ap.add_argument("--json", dest="json_path")
     args = ap.parse_args(argv)
     model, _ = lily_mlx.load(args.model)
     report = {"model": args.model, "switches": {n: ops.enabled(n) for n in sorted(ops.KERNEL_NAMES)},
               "defines": kernels.experiment_values(), "compiled": args.compiled, "contexts": []}
-    for ctx in args.context:
-        traced = trace(model, ctx, args.steps, model.config.vocab_size, args.compiled)
+    for ctx, tokens in ((c, t) for c in args.context for t in args.tokens):
+        traced = trace(model, ctx, args.steps, model.config.vocab_size, args.compiled, tokens)
         kinds = {name: mean_of(ls) for name, ls in traced.items()}
-        report["contexts"].append({"context": ctx, "kernels": kinds})
+        report["contexts"].append({"context": ctx, "tokens": tokens, "kernels": kinds})
         for name, k in kinds.items():
-            print(f"context {ctx}, {name}: {k['span_us']:.1f} us from the first block's start to the last end "
+            print(f"context {ctx}, {tokens} token{'s' if tokens > 1 else ''} a step, {name}: {k['span_us']:.1f} us from the first block's start to the last end "
                   f"({k['launches']} launches); at most {k['peak_blocks']:.0f} blocks at once, "
                   f"{k['peak_per_sm']:.0f} on one SM")
             for p in k["phases"]:

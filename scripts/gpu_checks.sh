@@ -243,6 +243,15 @@ step 60 150 "MTP verify forward on the GPU's timeline (defaults)" python3 -m ben
 step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --tokens 2 3 \
   --json "$res/timeline_verify_chains.json"
+# deltanet_chain_out at 2 tokens spends 44 of its 61 us in the input projection (two waves of 193 blocks, a block's
+# work 21.3 us against 9.0 at one token; bench.chain_trace, H100 run 87), and NVRTC spills 424 bytes a lane at its
+# 4 rows a lane segment, none at 3 (scripts/cuda_registers.py --decode-step --tokens 2): the verify with 3 and 2.
+for rps in 3 2; do
+  step 60 120 "MTP verify forward on the GPU's timeline, deltanet_chain.IN_RPS=$rps" env LILY_MLX_PLAN=deltanet_chain.IN_RPS=$rps \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 --tokens 2 --json "$res/timeline_verify_in_rps$rps.json"
+done
+step 60 170 "inside the chains at 1 and 2 tokens (eager steps)" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 \
+  python3 -m bench.chain_trace --model "$model" --context 64 --tokens 1 2 --steps 2 --json "$res/chain_trace_tokens.json"
 step 60 150 "MTP verify step vs decode step (defaults)" python3 -m bench.profile_decode --model "$model" \
   --context 64 4096 --steps 16 --no-ops --verify-tokens 2 3 --json "$res/decode_verify.json"
 # MTP end to end at a set acceptance (the random model's head is untrained: bench.mtp swaps in the plain decoder's

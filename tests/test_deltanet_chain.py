@@ -249,7 +249,7 @@ def test_chains_take_one_row_unless_opted_in(monkeypatch):
     assert not ops.chain_takes("moe_chain", two[0]) and not ops.chain_takes("moe_chain", mx.zeros((1, 3, K)))
     assert set(ops.backend_defaults("cuda")) == {"moe_chain", "deltanet_chain_out", "attn_chain", "packed_weights",
                                                  "bundled_weights", "kv_scatter", "kv_write", "cuda_source_files",
-                                                 "logprobs", "logprobs_argmax"}
+                                                 "logprobs", "logprobs_argmax", "verify_keep", "mtp_resident"}
     assert ops.backend_defaults("metal") == ()
 
 

@@ -230,8 +230,14 @@ def test_plan_overrides_reach_the_planners_they_name(kernel_env):
     assert qmv.plan(1, 2048, 9216, 4)["RPS"] == 2 and qmv.plan(1, 2048, 9216, 4)["blocks"] == min(576, qmv.MAX_BLOCKS)
     assert qmv.plan(1, 2048, 9216, 4, warps=16) == chained  # a chained phase's plan: its own
     assert qmv.plan(1, 4096, 2048, 4, qmv.ATTN_MIN_BLOCKS, kernel="qmv_attn") == attn  # not named: its own
+    from lily_mlx.ops import deltanet_chain
+
+    dn = lambda: deltanet_chain.plan(2, 2048, 12352, 4, 128, 128, (4096, 2048, 4), 132)  # noqa: E731  the 35B verify
+    assert (dn()["qmv"]["RPS"], dn()["proj_blocks"], dn()["out"]["RPS"]) == (4, 193, 1)
+    kernel_env(kernels.PLAN_ENV, "deltanet_chain.IN_RPS=3,deltanet_chain.OUT_RPS=2")  # counts, not powers of two only
+    assert (dn()["qmv"]["RPS"], dn()["proj_blocks"], dn()["out"]["RPS"], dn()["out"]["blocks"]) == (3, 258, 2, 64)
     for bad in ("moe_gate_up.WARPS", "moe_gate_up.LANES=4", "attn_chain.WARPS=4", "qmv.RPS=3", "qmv.WARPS=64",
-                "qmv.RPS=0", "WARPS=4"):
+                "qmv.RPS=0", "WARPS=4", "deltanet_chain.IN_RPS=9", "deltanet_chain.RPS=2"):
         kernel_env(kernels.PLAN_ENV, bad)
         with pytest.raises(ValueError, match=kernels.PLAN_ENV):
             moe.plan_gate_up(*shape)

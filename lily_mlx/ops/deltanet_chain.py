@@ -27,12 +27,14 @@ def plan(M: int, K: int, PW: int, bits: int, Dk: int, Dv: int, out: Optional[tup
          sms: Optional[int] = None) -> dict:
     """deltanet_step's block (its WARPS) for every phase, the projections' rows planned for it. out: (K, N, bits) of
     the output projection (deltanet_chain_out); sms: the GPU's multiprocessors, each holding one block (512 threads
-    under the 512-thread launch bound's 128 registers), so that the input projection fits one wave of them."""
-    step = ds.plan(Dk, Dv)
-    p = {"step": step, "qmv": qmv.plan_chained(M, K, PW, bits, step["WARPS"], wave=sms), "WARPS": step["WARPS"]}
+    under the 512-thread launch bound's 128 registers), so that the input projection fits one wave of them.
+    $LILY_MLX_PLAN's deltanet_chain.IN_RPS / OUT_RPS set the projections' rows a lane segment instead."""
+    step, override = ds.plan(Dk, Dv), kernels.plan_overrides().get("deltanet_chain", {})
+    p = {"step": step, "qmv": qmv.plan_chained(M, K, PW, bits, step["WARPS"], wave=sms, rps=override.get("IN_RPS")),
+         "WARPS": step["WARPS"]}
     p["proj_blocks"] = p["qmv"]["blocks"]
     if out is not None:
-        p["out"] = qmv.plan_chained(M, *out, step["WARPS"])
+        p["out"] = qmv.plan_chained(M, *out, step["WARPS"], rps=override.get("OUT_RPS"))
     return p
 
 

@@ -596,7 +596,9 @@ PLAN_ENV = "LILY_MLX_PLAN"
 PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
 PLANNED["attn_chain"] = ("BLOCKS",)  # the attention phase's blocks to aim for when it splits a cache
 PLANNED["attn_decode"] = ("STAGE_ROWS",)  # the cached positions a split needs for its rows to go through shared memory
-PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20}
+PLANNED["deltanet_chain"] = ("IN_RPS", "OUT_RPS")  # rows a lane segment in its input and output projection phases
+PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20, "IN_RPS": 8, "OUT_RPS": 8}
+ANY_COUNT = ("IN_RPS", "OUT_RPS")  # not only powers of two: a chained phase's blocks each take their rows in one pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -604,8 +606,9 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     """$LILY_MLX_PLAN ("kernel.PARAM=N,...") as {kernel: {PARAM: N}}: a launch shape an experiment sets where a
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
-    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS). One more
-    choice: attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
+    attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS), and
+    deltanet_chain.IN_RPS / OUT_RPS, its projection phases' rows a lane segment (a new build). One more choice:
+    attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -614,8 +617,10 @@ def plan_overrides() -> dict[str, dict[str, int]]:
         if not eq or not dot or kernel not in PLANNED or param not in PLANNED[kernel]:
             raise ValueError(f"{PLAN_ENV}: {item!r} is not kernel.PARAM=N with kernel.PARAM one of "
                              + ", ".join(f"{k}.{p}" for k, ps in PLANNED.items() for p in ps))
-        if not value.isdigit() or not 1 <= int(value) <= PLAN_LIMITS[param] or int(value) & (int(value) - 1):
-            raise ValueError(f"{PLAN_ENV}: {item!r}: {param} must be a power of two from 1 to {PLAN_LIMITS[param]}")
+        pow2 = param not in ANY_COUNT
+        if not value.isdigit() or not 1 <= int(value) <= PLAN_LIMITS[param] or pow2 and int(value) & (int(value) - 1):
+            raise ValueError(f"{PLAN_ENV}: {item!r}: {param} must be {'a power of two' if pow2 else 'a count'} from 1 "
+                             f"to {PLAN_LIMITS[param]}")
         plans.setdefault(kernel, {})[param] = int(value)
     return plans
 

@@ -72,19 +72,19 @@ def plan(M: int, K: int, N: int, bits: int, min_blocks: int = MIN_BLOCKS, warps:
 
 
 def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int = MIN_BLOCKS,
-                 wave: Optional[int] = None) -> dict:
+                 wave: Optional[int] = None, rps: Optional[int] = None) -> dict:
     """plan() for a phase of a chained kernel (deltanet_chain, attn_chain), whose blocks all have `warps`: every row
     block its own block (no persistent loop: a later phase waits on all of them), the block-count floor scaled with
     the block size so that a lane keeps as many weight chunks in flight as qmv's own plan gives it. wave: the blocks
     the GPU holds at once: where the phase takes more, the fewest rows a lane that fit it in one (at most
     MAX_CHAINED_CHUNKS chunks in flight a lane), as a second wave repeats each block's fixed cost (ticket, staging x')
     for what is left of the rows. At one row of x only: each row adds its accumulators, and the 35B chains at M >= 2
-    already spill (NVRTC: 200-2,900 bytes a lane)."""
+    already spill (NVRTC: 200-2,900 bytes a lane). rps: an experiment's rows a lane segment instead."""
     p = plan(M, K, N, bits, min_blocks=min_blocks * 8 // warps, warps=warps)
     blocks = lambda rps: -(-N // (warps * (32 // p["LANES"]) * rps))  # noqa: E731
     cpl = chunks_per_lane(M, K, bits, p["LANES"])
     fits = (r for r in range(p["RPS"], MAX_CHAINED_CHUNKS // cpl + 1) if wave and M == 1 and blocks(r) <= wave)
-    rps = next(fits, p["RPS"])
+    rps = rps or next(fits, p["RPS"])
     return dict(p, RPS=rps, blocks=blocks(rps))
 
 
