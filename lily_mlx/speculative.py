@@ -103,40 +103,63 @@ class _EagerDrafter(_Eager):
 
 
 class _Forward(NamedTuple):
-    """One verify forward in flight: the state before it and (verify_keep) before its draft, the tokens it was given
-    (pending: known ids, or None while they are another forward's lazy samples), its draft d [1], the samples at the
-    draft's position (s1) and after it (s2) with their log-probabilities, and its last two positions' hidden
-    states."""
+    """One verify forward in flight: its draft d [1], the samples at the draft's position (s1) and after it (s2) with
+    their log-probabilities, and its last two positions' hidden states. The host's loop keeps the state before it
+    (`before`) and with verify_keep before its draft (`kept`: a restore() snapshot), and the tokens it was given
+    (`pending`: known ids, or None while they are another forward's lazy samples). The GPU's (mtp_resident) keeps
+    its offset (`offset4`: a [4] int32 whose first entry the kernels read) and the DeltaNet states it leaves after
+    both tokens (`after`) and before its draft (`kept`)."""
 
-    before: Any
-    kept: Any
-    pending: Optional[List[int]]
     d: mx.array
     s1: mx.array
     lp1: mx.array
     s2: mx.array
     lp2: mx.array
     hidden: mx.array
+    before: Any = None
+    kept: Any = None
+    pending: Optional[List[int]] = None
+    offset4: Optional[mx.array] = None
+    after: Any = None
 
 
-class _Resident(NamedTuple):
-    """One verify forward queued by the GPU's decision (switch mtp_resident): its offset (a [4] int32 whose first
-    entry the kernels read), its draft d [1], samples s1, s2 and their log-probabilities, its last two positions'
-    hidden states, and the DeltaNet states it leaves after both tokens and before its draft."""
+def _hand_out(ready: list, yielded: int, max_tokens: int):
+    """Yields the decided tokens until max_tokens have been yielded in all; returns how many have. MLX's buffer cache
+    is cleared every 256 tokens, as mlx-lm's loop does."""
+    for item in ready:
+        if yielded == max_tokens:
+            break
+        yield item
+        yielded += 1
+        if yielded % 256 == 0:
+            mx.clear_cache()
+    return yielded
 
-    offset4: mx.array
-    d: mx.array
-    s1: mx.array
-    lp1: mx.array
-    s2: mx.array
-    lp2: mx.array
-    hidden: mx.array
-    after: list
-    before: list
+
+def _settle(main, snapshot, missing: List[int]) -> None:
+    """The caller's cache after generation: the prompt and the yielded tokens, no draft. main is restored to
+    `snapshot`, takes the yielded tokens it lacks (`missing`) and writes back."""
+    main.restore(snapshot)
+    if missing:
+        main(mx.array(missing, dtype=mx.int32)[None])
+    main.write_back()
+    mx.eval([c.state for c in main.cache])
+
+
+def _decision(f, ids: List[int]) -> Tuple[bool, list]:
+    """Forward f's samples read on the host: whether its draft stood, and the tokens it decided (appended to ids) as
+    (token, logprobs, from_draft) to yield: the draft and the sample after it, or the sample that replaces it."""
+    d_id, s1_id = f.d.item(), f.s1.item()
+    if s1_id == d_id:
+        s2_id = f.s2.item()
+        ids += [d_id, s2_id]
+        return True, [(d_id, f.lp1, True), (s2_id, f.lp2, False)]
+    ids.append(s1_id)
+    return False, [(s1_id, f.lp1, False)]
 
 
 @mx.compile
-def _decide(s1: mx.array, s2: mx.array, d: mx.array, offset4: mx.array):
+def _next_inputs(s1: mx.array, s2: mx.array, d: mx.array, offset4: mx.array):
     """A forward's fate on the GPU: accept [1] (its draft d confirmed) as bool and as the position the head drafts
     after, the head's tokens [1, 2], and the next forward's first token (s2 after a confirmed draft, else s1) and
     offset (one further after a confirmed draft)."""
@@ -151,20 +174,20 @@ def _resident_steps(main: CompiledVerifier, drafter: CompiledDrafter, sample: Ca
     read the decided tokens on the host). ids: the prompt and the first sample, whose log-probabilities are first_lp;
     d: the head's draft after it."""
 
-    def queue(token, d, offset4, accept, after, before, length) -> _Resident:
+    def queue(token, d, offset4, accept, after, before, length) -> _Forward:
         tokens = mx.concatenate([token, d])[None]
         hidden, logits, after, before = main.selected(tokens, offset4[:1], accept, after, before, length)
         s1, lp1 = sample(logits[0, -2], None)
         s2, lp2 = sample(logits[0, -1], None)
         # d itself, not a slice of tokens: a new op's .item() would wait for everything queued before it
         mx.async_eval(d, s1, s2, lp1, lp2)
-        return _Resident(offset4, d, s1, lp1, s2, lp2, hidden, after, before)
+        return _Forward(d, s1, lp1, s2, lp2, hidden, kept=before, offset4=offset4, after=after)
 
-    def queue_after(f: _Resident, offset: int) -> _Resident:
+    def queue_after(f: _Forward, offset: int) -> _Forward:
         """The forward after f, which starts at f's offset `offset` (the host's): at most 2 further."""
-        accept, pick, pair, token, offset4 = _decide(f.s1, f.s2, f.d, f.offset4)
+        accept, pick, pair, token, offset4 = _next_inputs(f.s1, f.s2, f.d, f.offset4)
         d = drafter.picked(f.hidden, pair, f.offset4[:1], pick, offset + 2)
-        return queue(token, d, offset4, accept, f.after, f.before, offset + 4)
+        return queue(token, d, offset4, accept, f.after, f.kept, offset + 4)
 
     def needed(decided: int) -> bool:
         """Whether a forward after `decided` tokens can yield one max_tokens allows."""
@@ -176,41 +199,20 @@ def _resident_steps(main: CompiledVerifier, drafter: CompiledDrafter, sample: Ca
         oldest = queue(mx.array(ids[-1:], dtype=mx.int32), d, mx.full((4,), settled[1], dtype=mx.int32),
                        mx.array([True]), settled[0], settled[0], settled[1] + 2)
     ready = [(ids[-1], first_lp, False)]  # decided, not yet yielded
-    yielded = since_clear = 0
+    yielded = 0
     try:
         while True:
             # The next forward is queued before the host waits on oldest's samples; the GPU decides where it starts.
             ahead = queue_after(oldest, settled[1]) if needed(yielded + len(ready) + 1) else None
-            for item in ready:
-                if yielded == max_tokens:
-                    return
-                yield item
-                yielded += 1
+            yielded = yield from _hand_out(ready, yielded, max_tokens)
             if yielded == max_tokens:
                 return
-            d_id, s1_id = oldest.d.item(), oldest.s1.item()
-            if s1_id == d_id:
-                s2_id = oldest.s2.item()
-                ids += [d_id, s2_id]
-                ready = [(d_id, oldest.lp1, True), (s2_id, oldest.lp2, False)]
-                settled = oldest.after, len(ids) - 1
-            else:
-                ids.append(s1_id)
-                ready = [(s1_id, oldest.lp1, False)]
-                settled = oldest.before, len(ids) - 1
+            stood, ready = _decision(oldest, ids)
+            settled = oldest.after if stood else oldest.kept, len(ids) - 1
             oldest = ahead
-            since_clear += len(ready)
-            if since_clear >= 256:
-                mx.clear_cache()
-                since_clear = 0
     finally:
-        if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
-            main.restore(settled)
-            missing = ids[settled[1]:n_prompt + yielded]
-            if missing:
-                main(mx.array(missing, dtype=mx.int32)[None])
-            main.write_back()
-            mx.eval([c.state for c in main.cache])
+        if prompt_cache is not None:
+            _settle(main, settled, ids[settled[1]:n_prompt + yielded])
 
 
 def mtp_generate_step(
@@ -262,7 +264,7 @@ def mtp_generate_step(
         s1, lp1 = sample(logits[0, -2], history(*assumed))
         s2, lp2 = sample(logits[0, -1], history(*assumed, d))
         mx.async_eval(d, s1, s2, lp1, lp2)
-        return _Forward(before, kept, pending, d, s1, lp1, s2, lp2, hidden)
+        return _Forward(d, s1, lp1, s2, lp2, hidden, before=before, kept=kept, pending=pending)
 
     with mx.stream(stream):
         done = 0
@@ -293,7 +295,7 @@ def mtp_generate_step(
             return
         ready = [(ids[-1], logprobs, False)]  # decided, not yet yielded
         oldest = forward(mx.array(ids[-1:], dtype=mx.int32), ids[-1:], d)  # the oldest forward not yet decided
-        yielded = since_clear = 0
+        yielded = 0
         try:
             while True:
                 # The next forward is queued, as if oldest's draft stood, before the host waits on oldest's samples
@@ -301,23 +303,15 @@ def mtp_generate_step(
                 drafted = drafter.snapshot()
                 d = drafter(oldest.hidden, mx.concatenate([oldest.d, oldest.s2])[None])
                 ahead = forward(oldest.s2, None, d, oldest.d, oldest.s2)
-                for item in ready:
-                    if yielded == max_tokens:
-                        return
-                    yield item
-                    yielded += 1
+                yielded = yield from _hand_out(ready, yielded, max_tokens)
                 if yielded == max_tokens:
                     return
-                d_id, s1_id = oldest.d.item(), oldest.s1.item()
-                if s1_id == d_id:
-                    s2_id = oldest.s2.item()
-                    ids += [d_id, s2_id]
-                    ready = [(d_id, oldest.lp1, True), (s2_id, oldest.lp2, False)]
-                    oldest = ahead._replace(pending=[s2_id])
+                stood, ready = _decision(oldest, ids)
+                if stood:
+                    oldest = ahead._replace(pending=ids[-1:])
                 else:  # both forwards and the draft after oldest are undone
                     drafter.restore(drafted)
-                    ids.append(s1_id)
-                    ready = [(s1_id, oldest.lp1, False)]
+                    s1_id = ids[-1]
                     d = drafter(oldest.hidden[:, :1], oldest.s1[None])
                     if oldest.kept is not None:  # back to just before the rejected draft: its other tokens stand
                         main.restore(oldest.kept)
@@ -329,15 +323,6 @@ def mtp_generate_step(
                         main(mx.array(pending[:-1], dtype=mx.int32)[None])
                         pending = pending[-1:]
                     oldest = forward(mx.array(pending, dtype=mx.int32), pending, d)
-                since_clear += len(ready)
-                if since_clear >= 256:
-                    mx.clear_cache()
-                    since_clear = 0
         finally:
-            if prompt_cache is not None:  # the caller's cache: the prompt and the yielded tokens, no draft
-                main.restore(oldest.before)
-                missing = ids[len(ids) - len(oldest.pending):n_prompt + yielded]  # it holds all but oldest's pending
-                if missing:
-                    main(mx.array(missing, dtype=mx.int32)[None])
-                main.write_back()
-                mx.eval([c.state for c in cache])
+            if prompt_cache is not None:  # it holds all but oldest's pending tokens
+                _settle(main, oldest.before, ids[len(ids) - len(oldest.pending):n_prompt + yielded])
