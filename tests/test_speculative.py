@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 import lily_mlx
-from lily_mlx import ops, speculative
+from lily_mlx import decode, ops, speculative
 from lily_mlx.decode import CompiledDrafter, CompiledVerifier
 from lily_mlx.embedded import EMBEDDED_MODEL
 from lily_mlx.generation import generate_step, stream_generate
@@ -291,11 +291,25 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
             flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
             mx.eval(flat)
             launches.clear()
-            out = verifier._step(mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32), *flat)
-        assert dict(launches) == (chained if chains == "opted-in" or (chains == "defaults" and T <= 2) else unchained)
+            tokens, offset1 = mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32)
+            out = verifier._step(tokens, offset1, *flat)
+            if T == 2:  # the resident loop's forward (mtp_resident): the last forward's states picked on the GPU
+                step = decode._step_function(verifier._kind("verify_select"))
+                states = [a for pair in verifier.states for a in pair]
+                selected = step(model, len(cache), verifier.kv_index, verifier.state_index, tokens, offset1,
+                                mx.array([True]), *flat, *states)
+        expected = chained if chains == "opted-in" or (chains == "defaults" and T <= 2) else unchained
+        assert dict(launches) == ({n: 2 * c for n, c in expected.items()} if T == 2 else expected)
         counts = _primitives(out, tmp_path / f"verify{T}.dot")
+        # An integer index on a kept state is a gather, a copy of it (H100 run 85: 1.85 ms of a 4.2 ms verify).
+        assert counts["Gather"] == 0
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
         print(f"verify step, {T} tokens, chains {chains}: {totals[T]} primitives")
+        if T == 2:  # one select a DeltaNet conv state and state more
+            picked = _primitives(selected, tmp_path / "selected.dot")
+            assert picked["Gather"] == 0 and picked["Select"] == counts["Select"] + 2 * 30
+            assert sum(picked.values()) - picked["Broadcast"] - picked["Select"] == totals[2] - counts["Select"] + \
+                (0 if ops.enabled("verify_keep") else 2 * 3 * 30)  # its kept states: verify_keep's views
     # By default the chains take one or two tokens, and on CUDA verify_keep's kept states cost 3 views a DeltaNet
     # state (a split and two squeezes) from 2 tokens on: compare like with like.
     first = 3 if chains == "defaults" else 2
