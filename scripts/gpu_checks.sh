@@ -246,9 +246,11 @@ step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env
 # deltanet_chain_out at 2 tokens spends 44 of its 61 us in the input projection (two waves of 193 blocks, a block's
 # work 21.3 us against 9.0 at one token; bench.chain_trace, H100 run 87), and NVRTC spills 424 bytes a lane at its
 # 4 rows a lane segment, none at 3 (scripts/cuda_registers.py --decode-step --tokens 2): the verify with 3 and 2.
-for rps in 3 2; do
-  step 60 120 "MTP verify forward on the GPU's timeline, deltanet_chain.IN_RPS=$rps" env LILY_MLX_PLAN=deltanet_chain.IN_RPS=$rps \
-    python3 -m bench.gpu_timeline --model "$model" --context 64 --tokens 2 --json "$res/timeline_verify_in_rps$rps.json"
+# attn_chain's input projection at 2 tokens: 288 blocks of 254 registers, one an SM, so three waves (ended by 30.9 us
+# against 13.9 at one token); at 5 rows a lane segment 231 blocks, two waves (12 bytes spilled).
+for plan in deltanet_chain.IN_RPS=3 deltanet_chain.IN_RPS=2 attn_chain.IN_RPS=5 deltanet_chain.IN_RPS=3,attn_chain.IN_RPS=5; do
+  step 60 120 "MTP verify forward on the GPU's timeline, $plan" env LILY_MLX_PLAN=$plan python3 -m bench.gpu_timeline \
+    --model "$model" --context 64 --tokens 2 --json "$res/timeline_verify_${plan//[.,=]/_}.json"
 done
 step 60 170 "inside the chains at 1 and 2 tokens (eager steps)" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 \
   python3 -m bench.chain_trace --model "$model" --context 64 --tokens 1 2 --steps 2 --json "$res/chain_trace_tokens.json"

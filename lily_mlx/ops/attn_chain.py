@@ -38,11 +38,13 @@ def plan(M: int, K: int, Hq: int, Hkv: int, D: int, bits: int, H: int, obits: in
     """attn_decode's block (a warp per query head of a kv head) for every phase, both projections' rows planned for
     it; the output projection with qmv_attn's block floor when it merges the splits (fold). sms: the GPU's
     multiprocessors, each holding the blocks MAX_REGISTERS leave room for, so that the input projection fits one
-    wave of them (35B on 132 SMs: 231 blocks of 40 rows, not 288 of 32)."""
+    wave of them (35B on 132 SMs: 231 blocks of 40 rows, not 288 of 32); $LILY_MLX_PLAN's attn_chain.IN_RPS sets
+    its rows a lane segment instead."""
     warps = Hq // Hkv
     PW = Hq * 2 * D + 2 * Hkv * D
     wave = sms * (SM_REGISTERS // (32 * warps * MAX_REGISTERS)) if sms else None  # plan_chained: at M 1 only
-    return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps, wave=wave),
+    rps = kernels.plan_overrides().get("attn_chain", {}).get("IN_RPS")  # an experiment's
+    return {"WARPS": warps, "qkv": qmv.plan_chained(M, K, PW, bits, warps, wave=wave, rps=rps),
             "out": qmv.plan_chained(M, Hq * D, H, obits, warps, qmv.ATTN_MIN_BLOCKS if fold else qmv.MIN_BLOCKS)}
 
 

@@ -594,7 +594,8 @@ def experiment_values() -> dict[str, str]:
 
 PLAN_ENV = "LILY_MLX_PLAN"
 PLANNED = {k: ("RPS", "WARPS") for k in ("qmv", "qmv_attn", "moe_gate_up", "moe_down_combine")}  # kernel -> its knobs
-PLANNED["attn_chain"] = ("BLOCKS",)  # the attention phase's blocks to aim for when it splits a cache
+PLANNED["attn_chain"] = ("BLOCKS", "IN_RPS")  # the attention phase's blocks to aim for when it splits a cache, the
+# input projection's rows a lane segment
 PLANNED["attn_decode"] = ("STAGE_ROWS",)  # the cached positions a split needs for its rows to go through shared memory
 PLANNED["deltanet_chain"] = ("IN_RPS", "OUT_RPS")  # rows a lane segment in its input and output projection phases
 PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20, "IN_RPS": 8, "OUT_RPS": 8}
@@ -607,7 +608,7 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
     attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS), and
-    deltanet_chain.IN_RPS / OUT_RPS, its projection phases' rows a lane segment (a new build). One more choice:
+    attn_chain.IN_RPS, deltanet_chain.IN_RPS / OUT_RPS, the projection phases' rows a lane segment (a new build). One more choice:
     attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}
