@@ -61,41 +61,50 @@ def test_tokens_and_cache_are_the_plain_decoders(embedded, max_tokens, penalty, 
         assert sum(d for _, _, d in spec) >= (10 if penalty is None else 5)
 
 
-def test_kv_scatter_through_the_verify(embedded):
-    """With kv_scatter the verify's several-row K/V writes (positions start + t) leave the tokens and the caller's
-    cache as plain decoding without it does."""
+RESIDENT = pytest.mark.parametrize("resident", [False, True], ids=["host-decides", "resident"])
+
+
+@RESIDENT
+def test_kv_scatter_through_the_verify(embedded, resident):
+    """With kv_scatter the verify's several-row K/V writes (positions start + t, computed on the GPU in the resident
+    loop) leave the tokens and the caller's cache as plain decoding without it does."""
     model, tok = embedded
     prompt = mx.array(tok.encode(PROMPT))
     plain_cache, spec_cache = model.make_cache(), model.make_cache()
     with ops.switched("kv_scatter", False):
         plain = [t for t, _ in generate_step(prompt, model, max_tokens=30, prompt_cache=plain_cache)]
-    with ops.switched("kv_scatter", True):
+    with ops.switched("kv_scatter", True), ops.switched("mtp_resident", resident):
         spec = list(speculative.mtp_generate_step(prompt, model, max_tokens=30, prompt_cache=spec_cache))
     assert [t for t, _, _ in spec] == plain and sum(d for _, _, d in spec) > 0
     _caches_equal(plain_cache, spec_cache)
 
 
-def test_one_and_two_token_prompts(embedded):
+@RESIDENT
+def test_one_and_two_token_prompts(embedded, resident):
     """Nothing to prefill (the first forward and draft run on empty caches), or one token: the plain tokens."""
     model, _ = embedded
     for ids in ([5], [5, 9]):
         prompt = mx.array(ids)
         plain = [t for t, _ in generate_step(prompt, model, max_tokens=12)]
-        assert [t for t, _, _ in speculative.mtp_generate_step(prompt, model, max_tokens=12)] == plain
+        with ops.switched("mtp_resident", resident):
+            assert [t for t, _, _ in speculative.mtp_generate_step(prompt, model, max_tokens=12)] == plain
 
 
-def test_unbounded_generation_closed_early(embedded):
-    """max_tokens=-1 past the compiled steps' first capacity (256 positions: both grow), the generator closed by its
-    consumer: the plain tokens, and the caller's cache holds exactly the prompt and the yielded tokens."""
+@RESIDENT
+def test_unbounded_generation_closed_early(embedded, resident):
+    """max_tokens=-1 past the compiled steps' first capacity (256 positions: both grow; in the resident loop by the
+    host's bound on offsets the GPU computes), the generator closed by its consumer: the plain tokens, and the
+    caller's cache holds exactly the prompt and the yielded tokens."""
     import itertools
 
     model, _ = embedded
     prompt = mx.array([5, 9, 33, 7])
     caches, runs = (model.make_cache(), model.make_cache()), []
     for steps, cache in zip((generate_step, speculative.mtp_generate_step), caches):
-        gen = steps(prompt, model, max_tokens=-1, prompt_cache=cache)
-        runs.append([item[0] for item in itertools.islice(gen, 290)])
-        gen.close()
+        with ops.switched("mtp_resident", resident):
+            gen = steps(prompt, model, max_tokens=-1, prompt_cache=cache)
+            runs.append([item[0] for item in itertools.islice(gen, 290)])
+            gen.close()
     assert runs[0] == runs[1]
     _caches_equal(*caches)
 
@@ -197,6 +206,29 @@ def test_forward_queued_ahead_is_undone_on_rejection(embedded, monkeypatch, max_
     plain_cache = model.make_cache()
     list(generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=plain_cache))
     _caches_equal(plain_cache, spec_cache)
+
+
+def test_sampled_resident_tokens_follow_the_seed(embedded):
+    """Sampled MTP decoding with the GPU deciding: the same seed gives the same tokens and log-probabilities, and the
+    caller's cache holds the prompt and those tokens, as a forward over them leaves it."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = embedded
+    prompt = mx.array(tok.encode(PROMPT))
+    runs, caches = [], []
+    for _ in range(2):
+        mx.random.seed(7)
+        caches.append(model.make_cache())
+        with ops.switched("mtp_resident", True):
+            runs.append(list(speculative.mtp_generate_step(prompt, model, max_tokens=24, sampler=make_sampler(0.7),
+                                                           prompt_cache=caches[-1])))
+    assert [t for t, _, _ in runs[0]] == [t for t, _, _ in runs[1]]
+    assert all(mx.allclose(a, b).item() for (_, a, _), (_, b, _) in zip(*runs))
+    _caches_equal(*caches)
+    tokens = [t for t, _, _ in runs[0]]
+    plain_cache = model.make_cache()  # the prompt and every yielded token, no draft
+    model(mx.concatenate([prompt, mx.array(tokens)])[None], cache=plain_cache)
+    _caches_equal(plain_cache, caches[0])
 
 
 def test_stream_generate_and_cli_with_mtp(embedded):
