@@ -314,8 +314,7 @@ class CompiledDrafter:
                    for c in mtp_cache]
         n = len(mtp_cache)
         self._fn = _shared_step(model, n, list(range(n)), [], "draft")
-        self._pick_step = lambda: _shared_step(model, n, list(range(n)), [], "draft_pick")  # traced at first use
-        self._picked = None
+        self.model, self._picked = model, None  # picked(): traced at its first use
 
     def __call__(self, hidden: mx.array, next_tokens: mx.array) -> mx.array:
         L = next_tokens.shape[-1]
@@ -330,7 +329,9 @@ class CompiledDrafter:
         """The draft [B] int32 after position pick1 ([1] int32) of hidden [B, L, H] and next_tokens [B, L], whose
         K/V rows go at offset1 ([1] int32): both computed on the GPU (switch mtp_resident); `length` bounds
         offset1 + L. The host's offset stays as it was."""
-        self._picked = self._picked or self._pick_step()
+        if self._picked is None:
+            n = len(self.kv)
+            self._picked = _shared_step(self.model, n, list(range(n)), [], "draft_pick")
         self.kv = _with_room(self.kv, length)
         out = self._picked(hidden, _token_ids(next_tokens), offset1, pick1, *_flatten(self.kv, []))
         self.kv, _ = _unflatten(out[1:], len(self.kv), 0)
