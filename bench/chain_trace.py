@@ -97,7 +97,8 @@ def mean_of(launches: list[dict]) -> dict:
     return out
 
 
-def trace(model, context: int, steps: int, vocab: int, compiled: bool = False, tokens: int = 1) -> dict[str, list[dict]]:
+def trace(model, context: int, steps: int, vocab: int, compiled: bool = False,
+          tokens: int = 1) -> dict[str, list[dict]]:
     """phases() of every chained launch over `steps` decode steps after a `context`-token prefill, by kernel: eager
     steps (of `tokens` tokens each: more is MTP's verify forward, which the chains take at 2), or with `compiled` the
     compiled decoder's (as generate runs them; each launch site's counters are a constant of the trace, so its
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
         kinds = {name: mean_of(ls) for name, ls in traced.items()}
         report["contexts"].append({"context": ctx, "tokens": tokens, "kernels": kinds})
         for name, k in kinds.items():
-            print(f"context {ctx}, {tokens} token{'s' if tokens > 1 else ''} a step, {name}: {k['span_us']:.1f} us from the first block's start to the last end "
+            print(f"context {ctx}, {tokens} token{'s' if tokens > 1 else ''} a step, {name}: {k['span_us']:.1f} us "
+                  f"from the first block's start to the last end "
                   f"({k['launches']} launches); at most {k['peak_blocks']:.0f} blocks at once, "
                   f"{k['peak_per_sm']:.0f} on one SM")
             for p in k["phases"]:

@@ -75,7 +75,8 @@ def counted_forwards(calls: list):
 
     real, real_selected = CompiledVerifier.__call__, CompiledVerifier.selected
     CompiledVerifier.__call__ = lambda self, tokens: calls.append(tokens.shape[1]) or real(self, tokens)
-    CompiledVerifier.selected = lambda self, tokens, *a: calls.append(tokens.shape[1]) or real_selected(self, tokens, *a)
+    CompiledVerifier.selected = lambda self, tokens, *a: calls.append(tokens.shape[1]) or \
+        real_selected(self, tokens, *a)
     try:
         yield
     finally:
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, args.prompt_tokens))
     plain_tokens = timed(generate_step(prompt, model, max_tokens=args.tokens))[0]  # also the warm-up
     sequence = prompt.tolist() + plain_tokens
-    variants = [""] + args.variants
+    variants = [()] + [tuple(filter(None, v.split(","))) for v in args.variants]  # the switches each turns on
     arms = ["plain"] + [(a, v) for a in args.accept for v in variants]
     runs: dict[str, list] = {arm: [] for arm in arms}
     forwards: dict[str, list] = {arm: [] for arm in arms}  # verify forwards a generated token
@@ -136,8 +137,9 @@ def main(argv=None) -> int:
                 result = timed(steps)
             else:
                 accept, switches = arm
-                with set_acceptance(sequence, float(accept), vocab, seed=r) if accept != "real" else \
-                        contextlib.nullcontext(), counted_forwards(calls), ops.switched([n for n in switches.split(",") if n], True):
+                acceptance = set_acceptance(sequence, float(accept), vocab, seed=r) if accept != "real" else \
+                    contextlib.nullcontext()
+                with acceptance, counted_forwards(calls), ops.switched(switches, True):
                     result = timed(mtp_generate_step(prompt, model, max_tokens=args.tokens))
             if r:
                 runs[arm].append(result)
@@ -151,12 +153,13 @@ def main(argv=None) -> int:
         tps = statistics.median(tps for _, _, tps in runs[arm])
         share = statistics.mean(sum(d) / len(d) for _, d, _ in runs[arm])
         per_token = statistics.mean(forwards[arm])
-        accept, switches = ("plain", "") if arm == "plain" else arm
-        row = {"arm": accept, "switches": switches, "same_tokens": same, "tok_s": tps if same else None, "draft_share": share,
+        accept, switches = ("plain", ()) if arm == "plain" else arm
+        row = {"arm": accept, "switches": ",".join(switches), "same_tokens": same, "tok_s": tps if same else None,
+               "draft_share": share,
                "forwards_per_token": per_token, "vs_plain": tps / plain_tps if same else None,
                "forward_tokens": dict(sorted(sizes[arm].items())), "rounds_tok_s": [t for _, _, t in runs[arm]]}
         report["rows"].append(row)
-        label = "plain greedy" if arm == "plain" else f"MTP, acceptance {accept}" + (f", {switches}" if switches else "")
+        label = "plain greedy" if arm == "plain" else ", ".join((f"MTP, acceptance {accept}", *switches))
         if same:
             mix = ", ".join(f"{n} x {t}" for t, n in sorted(sizes[arm].items()))
             print(f"{label:44} {tps:8.1f} tok/s  x{tps / plain_tps:.2f}  drafts {share:.2f} of the tokens, "

@@ -536,7 +536,8 @@ class Model(nn.Module):
         """Logits [B, L, V] for token t+2 (see mtp_hidden)."""
         return self.language_model.logits(self.mtp_hidden(hidden, next_tokens, cache))
 
-    def mtp_draft(self, hidden: mx.array, next_tokens: mx.array, cache=None, pick: Optional[mx.array] = None) -> mx.array:
+    def mtp_draft(self, hidden: mx.array, next_tokens: mx.array, cache=None,
+                  pick: Optional[mx.array] = None) -> mx.array:
         """The MTP head's greedy draft [B] int32 for the token after the last of next_tokens, or after position pick
         ([1] int32, an array so the GPU may choose it) (see mtp_hidden): the lm_head scores that position only."""
         h = self.mtp_hidden(hidden, next_tokens, cache)

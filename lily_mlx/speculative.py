@@ -10,9 +10,9 @@ distribution.
 A rejected draft has already entered the DeltaNet states and the KV caches. The states from before the forward are
 kept (MLX arrays are immutable: keeping them costs nothing) and put back, the KV caches trimmed back, and the pending
 tokens go through again with the next draft: no forward of its own for a rejection, one more token in the next. With
-switch verify_keep (opt-in) the forward also keeps the DeltaNet states from before its draft (deltanet_step's KEEP),
-and a rejection rolls back to those instead: its other tokens stand, and every forward is the last sample and a
-draft. The MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden
+switch verify_keep (on by default on CUDA) the forward also keeps the DeltaNet states from before its draft
+(deltanet_step's KEEP), and a rejection rolls back to those instead: its other tokens stand, and every forward is the
+last sample and a draft. The MTP head's KV cache holds one entry per main-model position t, from the main model's final-norm hidden
 state at t and token t+1.
 
 The host does not wait with the GPU idle: while it waits for a forward's samples, the next draft and forward are

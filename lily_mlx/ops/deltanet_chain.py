@@ -161,7 +161,8 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
         shapes.append(residual.shape)
         dtypes.append(x.dtype)
     inputs.append(kernels.sync_counters())
-    return ds.split_kept(kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value), 1, keep)
+    out = kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value)
+    return ds.split_kept(out, 1, keep)
 
 
 def _instances(out: bool) -> list[kernels.Instance]:

@@ -608,8 +608,8 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
     attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS), and
-    attn_chain.IN_RPS, deltanet_chain.IN_RPS / OUT_RPS, the projection phases' rows a lane segment (a new build). One more choice:
-    attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
+    attn_chain.IN_RPS, deltanet_chain.IN_RPS / OUT_RPS, the projection phases' rows a lane segment (a new build).
+    One more choice: attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
