@@ -243,14 +243,15 @@ step 60 150 "MTP verify forward on the GPU's timeline (defaults)" python3 -m ben
 step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env LILY_MLX_ENABLE=$rows_chains \
   python3 -m bench.gpu_timeline --model "$model" --context 64 4096 --tokens 2 3 \
   --json "$res/timeline_verify_chains.json"
-# deltanet_chain_out at 2 tokens spends 44 of its 61 us in the input projection (two waves of 193 blocks, a block's
-# work 21.3 us against 9.0 at one token; bench.chain_trace, H100 run 87), and NVRTC spills 424 bytes a lane at its
-# 4 rows a lane segment, none at 3 (scripts/cuda_registers.py --decode-step --tokens 2): the verify with 3 and 2.
-# attn_chain's input projection at 2 tokens: 288 blocks of 254 registers, one an SM, so three waves (ended by 30.9 us
-# against 13.9 at one token); at 5 rows a lane segment 231 blocks, two waves (12 bytes spilled).
-for plan in deltanet_chain.IN_RPS=3 deltanet_chain.IN_RPS=2 attn_chain.IN_RPS=5 deltanet_chain.IN_RPS=3,attn_chain.IN_RPS=5; do
-  step 60 120 "MTP verify forward on the GPU's timeline, $plan" env LILY_MLX_PLAN=$plan python3 -m bench.gpu_timeline \
-    --model "$model" --context 64 --tokens 2 --json "$res/timeline_verify_${plan//[.,=]/_}.json"
+# The chains' input projections at 2 tokens: rows a lane segment under 12 / (2 x chunks) by default (qmv.plan_chained),
+# 3 where they were 4 (deltanet_chain_out spilled 424 bytes a lane at 4 and spent 44 of its 61 us in that phase, H100
+# run 87; attn_chain 288 -> 384 blocks). The verify at context 64 with the defaults, the earlier 4 (both, each alone),
+# attn_chain's 5 (231 blocks, two waves, 12 bytes spilled) and deltanet_chain's 2: "IN_RPS" in ONLY picks them.
+for plan in IN_RPS:defaults deltanet_chain.IN_RPS=4,attn_chain.IN_RPS=4 deltanet_chain.IN_RPS=4 attn_chain.IN_RPS=4 \
+    attn_chain.IN_RPS=5 deltanet_chain.IN_RPS=2; do
+  step 60 120 "MTP verify forward on the GPU's timeline, $plan" env LILY_MLX_PLAN=${plan#IN_RPS:defaults} \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 --tokens 2 \
+    --json "$res/timeline_verify_${plan//[.,=:]/_}.json"
 done
 step 60 170 "inside the chains at 1 and 2 tokens (eager steps)" env LILY_MLX_KERNEL_DEFINES=LILY_CHAIN_TRACE=4096 \
   python3 -m bench.chain_trace --model "$model" --context 64 --tokens 1 2 --steps 2 --json "$res/chain_trace_tokens.json"

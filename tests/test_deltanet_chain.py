@@ -141,14 +141,15 @@ def test_plan_runs_both_phases_in_the_steps_blocks():
 
 def test_plan_fits_the_projection_in_one_wave_where_it_can():
     """Given the SMs (a 512-thread block each), the projection at one row of x takes the fewest rows a lane that fit
-    one wave, at most 12 weight chunks in flight a lane; where none fits (or 193 blocks already do), or with more rows
-    of x, the plan stays as it was."""
+    one wave, at most 12 weight chunks in flight a lane; where none fits (or 193 blocks already do), the plan stays as
+    it was. With more rows of x, a lane's chunks in flight times the rows stay within 12 (no spills at the verify's 2)."""
     wide = lambda sms: dc.plan(1, 2048, 12352, 4, 128, 128, (4096, 2048, 4), sms)  # noqa: E731
     assert (wide(132)["qmv"]["RPS"], wide(132)["proj_blocks"]) == (6, 129)
     assert wide(132)["out"] == wide(None)["out"]  # the output projection's 128 blocks already fit
     for sms in (None, 114, 193, 264):
         assert (wide(sms)["qmv"]["RPS"], wide(sms)["proj_blocks"]) == (4, 193), sms
-    assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 4  # rows of x beyond one: as planned
+    assert dc.plan(2, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 3  # 2 chunks a lane, 2 rows: 3 x 4 = 12
+    assert dc.plan(4, 2048, 12352, 4, 128, 128, None, 132)["qmv"]["RPS"] == 3  # x's tile halves K: 1 chunk, 4 rows
 
 
 def test_cuda_builds_of_four_rows_and_more_get_the_full_registers():
