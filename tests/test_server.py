@@ -840,3 +840,56 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     assert any("warm-up: decode steps of 1 to 3 rows" in r.getMessage() for r in caplog.records)
     cold, text = run(False, 3)
     assert cold == [] and text3 == text and text
+
+
+def test_pipelined_decode_equals_unpipelined(tiny_dir):
+    """server_pipeline queues each step before the host reads the last: a lone greedy sequence, then a mixed batch
+    joining and leaving (seeded sampling with top logprobs, n=2, a stop string, logit_bias, a repetition penalty
+    that keeps its rows unpipelined, lengths ending at different steps) give the same events with it on and off,
+    and the pipelined run really had a step queued ahead."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    specs = [("A lone sequence about foxes and", SamplingParams(temperature=0), [], 30),
+             ("Seeded, with logprobs:", SamplingParams(temperature=0.9, top_p=0.9, seed=7, logprobs=True,
+                                                      top_logprobs=3, n=2), [], 17),
+             ("Stops at a word:", SamplingParams(temperature=0), [" the"], 25),
+             ("Biased toward token 5:", SamplingParams(temperature=0, logit_bias={5: 3.0, 9: -100.0}), [], 12),
+             ("Penalised:", SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3), [], 9)]
+
+    def run():
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs, queued_seen = [[] for _ in specs], [], False
+        try:
+            for i, (text, params, stops, n_tokens) in enumerate(specs):
+                outs = [ChoiceOutput(tok, stops, chat=False) for _ in range(params.n)]
+                req = Request([tok.encode(text)], [[]], [n_tokens], params, outs, events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+                deadline = time.monotonic() + 30
+                while i == 0 and sum(e[0] == "delta" for e in events[0]) < 4:  # the first decodes alone a while
+                    assert time.monotonic() < deadline and not req.finished
+                    queued_seen = queued_seen or engine._queued is not None
+                    time.sleep(0.001)
+            deadline = time.monotonic() + 60
+            while not all(r.finished for r in reqs):
+                assert time.monotonic() < deadline, "requests did not finish"
+                queued_seen = queued_seen or engine._queued is not None
+                time.sleep(0.001)
+        finally:
+            engine.stop()
+        assert not any(e[0] == "error" for ev in events for e in ev), events
+        return [[(e[0], *map(str, e[1:])) for e in ev] for ev in events], queued_seen
+
+    pipelined, seen = run()
+    with ops.disabled("server_pipeline"):
+        plain, seen_off = run()
+    assert seen and not seen_off
+    assert pipelined == plain
+    finishes = [e for ev in pipelined for e in ev if e[0] == "finish"]
+    assert len(finishes) == 6 and {e[2] for e in finishes} >= {"length"}

@@ -7,7 +7,9 @@ sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and 
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
 own prompt cache; a second arrival writes that state back and the rows continue batched. A batch whose
 rows have not changed for STABLE_STEPS steps decodes compiled too (CompiledBatchDecoder), until the next
-row joins or leaves.
+row joins or leaves. Decode steps are pipelined (switch `server_pipeline`): the next step over the same rows is
+queued on the GPU, fed the tokens the host has not read yet, before the host reads, detokenizes and streams the
+last step's.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
 request gets an error and `on_death` is called (the server then exits non-zero).
 """
@@ -48,6 +50,8 @@ log = logging.getLogger("lily_mlx.server")
 # Steps a batch must keep its rows before it is compiled: each new batch size traces the 40-layer graph once
 # (then reused), and copying the rows' caches into a decoder is wasted on a batch about to change.
 STABLE_STEPS = 4
+ops.register_switch("server_pipeline", "the server queues each decode step before it reads the last step's tokens, so "
+                    "the host's reading and streaming overlap the GPU's work (rows without logits processors)")
 
 
 class QueueFull(APIError):
@@ -132,6 +136,20 @@ class Row:
     generated: list[int] = field(default_factory=list)
 
 
+@dataclass
+class QueuedStep:
+    """A decode step on the GPU whose tokens the host has not read yet: rows [B] as they were when it was queued."""
+
+    rows: list[Row]
+    tokens: mx.array  # [B] int32
+    chosen: mx.array  # [B] the tokens' log-probabilities
+    top: Optional[tuple[mx.array, mx.array]]  # ([B, k] token ids, [B, k] log-probabilities) when a row asks for them
+
+
+def _same_rows(a: list[Row], b: list[Row]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def make_row_sampler(p: SamplingParams) -> Optional[Callable]:
     """mlx-lm's filters (top_p, min_p, top_k, in make_sampler's order) and a categorical draw with the row's
     own key, so a seeded request is reproducible whatever else is in the batch. None means greedy."""
@@ -200,6 +218,7 @@ class Engine:
         self._batched: Optional[CompiledBatchDecoder] = None  # the compiled step of a stable batch, over _cache
         self._stable = 0  # decode steps since the rows last changed
         self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
+        self._queued: Optional[QueuedStep] = None  # the next step, queued before the last one was read (pipelined)
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
@@ -323,7 +342,7 @@ class Engine:
         self._bias = None
         self._rows = [self._rows[i] for i in keep]
         if not keep:
-            self._cache, self._solo = None, None
+            self._cache, self._solo, self._queued = None, None, None
             return
         for c in self._cache:
             c.filter(keep)
@@ -350,6 +369,7 @@ class Engine:
         self._live.clear()
         self._jobs.clear()
         self._rows, self._cache, self._bias, self._prefill, self._solo, self._batched = [], None, None, None, None, None
+        self._queued = None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -428,36 +448,65 @@ class Engine:
                                   keys[choice], make_row_sampler(p), make_processors(p, max_new), bias))
 
     def _decode_step(self) -> None:
-        rows = self._rows
-        if not rows:
+        """One decode step's tokens read and fed to their rows. Pipelined, the step after it over the same rows is
+        queued first, its input the unread tokens; a queued step whose rows have changed since (a row joined or
+        left), or rows with logits processors (which read the tokens on the host), wait for it to be read first."""
+        queued, self._queued = self._queued, None
+        pipelined = ops.enabled("server_pipeline") and not any(r.processors for r in self._rows)
+        if queued is not None and not (pipelined and _same_rows(queued.rows, self._rows)):
+            self._read(queued)
+            queued = None
+        if not self._rows:
             return
         try:
-            inputs = mx.array([[r.last] for r in rows])  # [B, 1]
-            logits = self._step(inputs).astype(mx.float32)  # [B, V]
-            logits = self._process(rows, logits)
-            logprobs, greedy = ops.to_logprobs(logits, greedy=True)
-            tokens = self._sample(rows, logprobs, greedy)  # [B]
-            chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-            k = max((r.req.params.top_logprobs for r in rows if r.req.params.logprobs), default=0)
-            top_i = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k else None
-            top_v = mx.take_along_axis(logprobs, top_i, axis=-1) if k else None
-            mx.eval(tokens, chosen, *([top_i, top_v] if k else []))
-        except Exception as e:  # one batched forward: no single request to blame, so the batch fails
-            log.exception("decode step failed; failing %d sequences", len(rows))
-            for r in rows:
-                r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
-            self._rows, self._cache, self._bias, self._solo, self._batched = [], None, None, None, None
+            if queued is None:
+                queued = self._queue_step(mx.array([[r.last] for r in self._rows]))  # [B, 1]
+            if pipelined and any(len(r.generated) + 1 < r.max_new for r in self._rows):  # a row goes on after it
+                self._queued = self._queue_step(queued.tokens[:, None])
+        except Exception as e:  # building a step failed: one batched forward, no single request to blame
+            self._fail_rows(e)
             return
-        self.metrics.decode_steps.inc()
-        self.metrics.completion_tokens.inc(len(rows))
-        toks, lps = tokens.tolist(), chosen.tolist()
-        top_i, top_v = (top_i.tolist(), top_v.tolist()) if k else (None, None)
-        keep, touched = [], {}
+        self._read(queued)
+
+    def _queue_step(self, inputs: mx.array) -> QueuedStep:
+        """One decode step of every row, from inputs [B, 1], queued on the GPU (mx.async_eval)."""
+        rows = list(self._rows)
+        logits = self._step(inputs).astype(mx.float32)  # [B, V]
+        logits = self._process(rows, logits)
+        logprobs, greedy = ops.to_logprobs(logits, greedy=True)
+        tokens = self._sample(rows, logprobs, greedy)  # [B]
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        k = max((r.req.params.top_logprobs for r in rows if r.req.params.logprobs), default=0)
+        top = None
+        if k:
+            top_i = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+            top = top_i, mx.take_along_axis(logprobs, top_i, axis=-1)
+        mx.async_eval(tokens, chosen, *(top or ()))
+        return QueuedStep(rows, tokens, chosen, top)
+
+    def _fail_rows(self, e: Exception) -> None:
+        log.exception("decode step failed; failing %d sequences", len(self._rows))
+        for r in self._rows:
+            r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
+        self._rows, self._cache, self._bias, self._solo, self._batched, self._queued = [], None, None, None, None, None
+
+    def _read(self, step: QueuedStep) -> None:
+        """The step's tokens fed to those of its rows still running; the rows that stop leave the batch."""
+        try:
+            toks, lps = step.tokens.tolist(), step.chosen.tolist()
+            top_i, top_v = (step.top[0].tolist(), step.top[1].tolist()) if step.top else (None, None)
+        except Exception as e:  # its forward failed on the GPU
+            self._fail_rows(e)
+            return
+        running = {id(r) for r in self._rows}
+        live = [(i, r) for i, r in enumerate(step.rows) if id(r) in running and not r.req.finished]
+        if live:  # not a step whose rows all stopped while it was queued
+            self.metrics.decode_steps.inc()
+            self.metrics.completion_tokens.inc(len(live))
+        stopped, touched = set(), {}
         now = time.monotonic()
-        for i, r in enumerate(rows):
+        for i, r in live:
             touched[id(r.req)] = r.req
-            if r.req.finished:
-                continue
             if r.req.first_token_at is None:
                 r.req.first_token_at = now
                 self.metrics.ttft.observe(now - r.req.created)
@@ -467,14 +516,14 @@ class Engine:
                     n_top = r.req.params.top_logprobs
                     top = sorted(zip(top_i[i], top_v[i]), key=lambda t: -t[1])[:n_top] if n_top else []
                     lp = TokenLogprob(toks[i], lps[i], top)
-                if self._advance(r, toks[i], lp):
-                    keep.append(i)
+                if not self._advance(r, toks[i], lp):
+                    stopped.add(id(r))
             except Exception as e:
                 log.exception("output processing of request %s failed", r.req.id)
                 r.req.fail(APIError(f"output processing failed: {type(e).__name__}: {e}", code="output_failed"))
         for req in touched.values():
             req.flush()
-        self._filter_rows([i for i in keep if not rows[i].req.finished])
+        self._filter_rows([i for i, r in enumerate(self._rows) if id(r) not in stopped and not r.req.finished])
 
     def _step(self, inputs: mx.array) -> mx.array:
         """Logits [B, V] of one decode step of every row: compiled when alone or in a stable batch, else eager."""
