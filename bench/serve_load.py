@@ -5,8 +5,8 @@ checkpoint) or uses one already running (--url http://127.0.0.1:PORT). Per concu
 requests, then --requests-per-client x C streamed /v1/completions requests (greedy, distinct prompts, EOS
 barred with logit_bias so every request generates exactly --max-tokens), C at a time.
 
-    python bench/serve_load.py --tiny --concurrency 1,8,32
-    python bench/serve_load.py --model PATH --max-tokens 128 --json results.json
+    python -m bench.serve_load --tiny --concurrency 1,8,32
+    python -m bench.serve_load --model PATH --max-tokens 128 --json results.json
 """
 
 from __future__ import annotations

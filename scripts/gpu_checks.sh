@@ -313,8 +313,14 @@ fi
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
 for enable in "" "batched_attn_decode"; do
-  step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 bench/serve_load.py \
+  step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
+done
+# The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
+for disable in "" server_pipeline; do
+  step 120 150 "server at 1 and 8 clients${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" python3 \
+    -m bench.serve_load --model "$model" --concurrency 1,8 --requests-per-client 2 --max-tokens 64 \
+    --json "$res/serve_pipeline${disable:+_off}.json"
 done
 save_ptx_cache
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"
