@@ -245,10 +245,10 @@ step 60 150 "MTP verify forward on the GPU's timeline (chains at every row)" env
   --json "$res/timeline_verify_chains.json"
 # The chains' input projections at 2 tokens: rows a lane segment under 12 / (2 x chunks) by default (qmv.plan_chained),
 # 3 where they were 4 (deltanet_chain_out spilled 424 bytes a lane at 4 and spent 44 of its 61 us in that phase, H100
-# run 87; attn_chain 288 -> 384 blocks). The verify at context 64 with the defaults, the earlier 4 (both, each alone),
-# attn_chain's 5 (231 blocks, two waves, 12 bytes spilled) and deltanet_chain's 2: "IN_RPS" in ONLY picks them.
-for plan in IN_RPS:defaults deltanet_chain.IN_RPS=4,attn_chain.IN_RPS=4 deltanet_chain.IN_RPS=4 attn_chain.IN_RPS=4 \
-    attn_chain.IN_RPS=5 deltanet_chain.IN_RPS=2; do
+# run 87; attn_chain 288 -> 384 blocks). The verify at context 64 with the defaults, the earlier 4 (both; attn_chain's
+# alone), attn_chain's 5 (231 blocks, two waves, 12 bytes spilled) and deltanet_chain's 2: "IN_RPS" in ONLY picks them.
+for plan in IN_RPS:defaults deltanet_chain.IN_RPS=4,attn_chain.IN_RPS=4 attn_chain.IN_RPS=4 attn_chain.IN_RPS=5 \
+    deltanet_chain.IN_RPS=2; do
   step 60 120 "MTP verify forward on the GPU's timeline, $plan" env LILY_MLX_PLAN=${plan#IN_RPS:defaults} \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --tokens 2 \
     --json "$res/timeline_verify_${plan//[.,=:]/_}.json"
