@@ -316,6 +316,11 @@ for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done
+# The server extra's pure-Python wheels where the machine lacks them (pip download --no-deps -d .ptx-cache/wheels
+# uvicorn h11 click starlette anyio sniffio prometheus-client), behind what the machine has.
+if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
+fi
 # The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
 for disable in "" server_pipeline; do
   step 120 150 "server at 1 and 8 clients${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" python3 \
