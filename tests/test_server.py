@@ -698,6 +698,16 @@ def test_503_while_loading(tiny_dir):
         engine.stop()
 
 
+def _wait_finished(reqs: list, watch=lambda: False, timeout: float = 60.0) -> bool:
+    """Waits for the engine's requests to finish; whether `watch()` held at some poll meanwhile."""
+    deadline, seen = time.monotonic() + timeout, False
+    while not all(r.finished for r in reqs):
+        assert time.monotonic() < deadline, "requests did not finish"
+        seen = seen or watch()
+        time.sleep(0.001)
+    return seen
+
+
 def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
     """A sequence running alone decodes through the compiled step; when a second request arrives, its state is
     written back and both continue batched. Greedy text equals the eager batched path's (compiled_decode off)."""
@@ -725,10 +735,7 @@ def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
                     assert time.monotonic() < deadline and not req.finished
                     solo_seen = solo_seen or engine._solo is not None
                     time.sleep(0.001)
-            deadline = time.monotonic() + 60
-            while not all(r.finished for r in reqs):
-                assert time.monotonic() < deadline, "requests did not finish"
-                time.sleep(0.01)
+            _wait_finished(reqs)
         finally:
             engine.stop()
         texts = ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
@@ -773,11 +780,7 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkey
                               [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
                 reqs.append(req)
                 engine.submit(req)
-            deadline = time.monotonic() + 60
-            while not all(r.finished for r in reqs):
-                assert time.monotonic() < deadline, "requests did not finish"
-                batched_seen = batched_seen or engine._batched is not None
-                time.sleep(0.001)
+            batched_seen = _wait_finished(reqs, lambda: engine._batched is not None) or batched_seen
         finally:
             engine.stop()
         return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events], batched_seen
@@ -876,11 +879,7 @@ def test_pipelined_decode_equals_unpipelined(tiny_dir):
                     assert time.monotonic() < deadline and not req.finished
                     queued_seen = queued_seen or engine._queued is not None
                     time.sleep(0.001)
-            deadline = time.monotonic() + 60
-            while not all(r.finished for r in reqs):
-                assert time.monotonic() < deadline, "requests did not finish"
-                queued_seen = queued_seen or engine._queued is not None
-                time.sleep(0.001)
+            queued_seen = _wait_finished(reqs, lambda: engine._queued is not None) or queued_seen
         finally:
             engine.stop()
         assert not any(e[0] == "error" for ev in events for e in ev), events
