@@ -46,8 +46,8 @@ CONFIGS = [
 CONTEXTS = (64, 4096)
 # MTP's verify forward over 2 and 3 tokens (gpu_checks.sh's verify timelines, bench.mtp), by default (verify_keep on
 # CUDA), with the chains at every row, without verify_keep, with deltanet_chain's input projection at 4 and 2 rows a
-# lane segment, attn_chain's at 4 and 5, and traced (bench.chain_trace --tokens 2), at context 64: (switches, LILY_MLX_PLAN,
-# LILY_MLX_KERNEL_DEFINES, tokens).
+# lane segment, attn_chain's at 4 and 5, and traced (bench.chain_trace --tokens 2), at context 64: (switches,
+# LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens).
 ROWS_CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
 VERIFY_CONFIGS = [("", "", "", 2), ("", "", "", 3), (ROWS_CHAINS, "", "", 3), ("-verify_keep", "", "", 2),
                   ("", "deltanet_chain.IN_RPS=4", "", 2), ("", "deltanet_chain.IN_RPS=2", "", 2),

@@ -78,9 +78,10 @@ def plan_chained(M: int, K: int, N: int, bits: int, warps: int, min_blocks: int 
     the block size so that a lane keeps as many weight chunks in flight as qmv's own plan gives it. wave: the blocks
     the GPU holds at once: where the phase takes more, the fewest rows a lane that fit it in one (at most
     MAX_CHAINED_CHUNKS chunks in flight a lane), as a second wave repeats each block's fixed cost (ticket, staging x')
-    for what is left of the rows. At one row of x only. Each row of x takes a lane's chunks in flight again in
-    registers, so at M >= 2 the rows a lane segment stay under MAX_CHAINED_CHUNKS / (M x chunks): deltanet_chain's
-    2-row build spilled 424 bytes a lane at 4, none at 3 (NVRTC). rps: an experiment's rows a lane segment instead."""
+    for what is left of the rows; at one row of x only. Each row of x holds a lane's chunks in flight again in
+    registers, so from M = 2 the rows a lane segment stay within MAX_CHAINED_CHUNKS / (M x chunks): deltanet_chain's
+    2-row build spilled 424 bytes a lane at 4, none at 3 (NVRTC), and its verify ran 48.1 -> 32.2 us a call (H100 run
+    88). rps: an experiment's rows a lane segment instead."""
     p = plan(M, K, N, bits, min_blocks=min_blocks * 8 // warps, warps=warps)
     blocks = lambda rps: -(-N // (warps * (32 // p["LANES"]) * rps))  # noqa: E731
     cpl = chunks_per_lane(M, K, bits, p["LANES"])
