@@ -892,3 +892,48 @@ def test_pipelined_decode_equals_unpipelined(tiny_dir):
     assert pipelined == plain
     finishes = [e for ev in pipelined for e in ev if e[0] == "finish"]
     assert len(finishes) == 6 and {e[2] for e in finishes} >= {"length"}
+
+
+def test_pipeline_runs_through_rows_joining_and_leaving(tiny_dir, monkeypatch):
+    """Greedy requests that join a running sequence and leave before it (no logits processors): every step after
+    the first is fed the unread tokens of the step queued before it (the host's last tokens only for the rows that
+    joined), and the text equals the unpipelined engine's."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    specs = [("The long one, about foxes", 40), ("Joins, leaves first:", 9), ("Joins too, then leaves", 17)]
+    from_host = []
+    real = Engine._inputs
+    monkeypatch.setattr(Engine, "_inputs", lambda self, q: from_host.append(q is None) or real(self, q))
+
+    def run():
+        from_host.clear()
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs = [[] for _ in specs], []
+        try:
+            for i, (text, n_tokens) in enumerate(specs):
+                req = Request([tok.encode(text)], [[]], [n_tokens], SamplingParams(temperature=0),
+                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+                deadline = time.monotonic() + 30
+                while sum(e[0] == "delta" for e in events[0]) < 3 + 4 * i:  # each joins the one running
+                    assert time.monotonic() < deadline and not reqs[0].finished
+                    time.sleep(0.001)
+            _wait_finished(reqs)
+        finally:
+            engine.stop()
+        return [[(e[0], *map(str, e[1:])) for e in ev] for ev in events], list(from_host)
+
+    pipelined, host_inputs = run()
+    assert host_inputs[0] and not any(host_inputs[1:]), host_inputs
+    with ops.disabled("server_pipeline"):
+        plain, host_inputs_off = run()
+    assert all(host_inputs_off)
+    assert pipelined == plain
+    assert [e[2] for ev in pipelined for e in ev if e[0] == "finish"] == ["length"] * 3

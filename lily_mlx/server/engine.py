@@ -7,9 +7,9 @@ sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and 
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
 own prompt cache; a second arrival writes that state back and the rows continue batched. A batch whose
 rows have not changed for STABLE_STEPS steps decodes compiled too (CompiledBatchDecoder), until the next
-row joins or leaves. Decode steps are pipelined (switch `server_pipeline`): the next step over the same rows is
-queued on the GPU, fed the tokens the host has not read yet, before the host reads, detokenizes and streams the
-last step's.
+row joins or leaves. Decode steps are pipelined (switch `server_pipeline`): the next step is queued on the GPU,
+fed the tokens the host has not read yet, before the host reads, detokenizes and streams the last step's; rows
+joining and leaving keep the pipeline going.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
 request gets an error and `on_death` is called (the server then exits non-zero).
 """
@@ -448,25 +448,38 @@ class Engine:
                                   keys[choice], make_row_sampler(p), make_processors(p, max_new), bias))
 
     def _decode_step(self) -> None:
-        """One decode step's tokens read and fed to their rows. Pipelined, the step after it over the same rows is
-        queued first, its input the unread tokens; a queued step whose rows have changed since (a row joined or
-        left), or rows with logits processors (which read the tokens on the host), wait for it to be read first."""
+        """One decode step's tokens read and fed to their rows. Pipelined, the next step over the rows as they are
+        now is queued first: its inputs the unread tokens of the rows the queued step ran, the last token of rows
+        that joined since. Rows with logits processors (which read the tokens on the host) wait for each step."""
         queued, self._queued = self._queued, None
         pipelined = ops.enabled("server_pipeline") and not any(r.processors for r in self._rows)
-        if queued is not None and not (pipelined and _same_rows(queued.rows, self._rows)):
+        if queued is not None and not pipelined:
             self._read(queued)
             queued = None
         if not self._rows:
             return
         try:
             if queued is None:
-                queued = self._queue_step(mx.array([[r.last] for r in self._rows]))  # [B, 1]
-            if pipelined and any(len(r.generated) + 1 < r.max_new for r in self._rows):  # a row goes on after it
-                self._queued = self._queue_step(queued.tokens[:, None])
+                queued = self._queue_step(self._inputs(None))
+            ran = {id(r) for r in queued.rows}
+            if pipelined and any(len(r.generated) + (id(r) in ran) < r.max_new for r in self._rows):  # one goes on
+                self._queued = self._queue_step(self._inputs(queued))
         except Exception as e:  # building a step failed: one batched forward, no single request to blame
             self._fail_rows(e)
             return
         self._read(queued)
+
+    def _inputs(self, queued: Optional[QueuedStep]) -> mx.array:
+        """[B, 1] each row's next input: the queued step's unread token in the rows it ran, else the row's last."""
+        rows = self._rows
+        last = mx.array([[r.last] for r in rows])
+        if queued is None:
+            return last
+        if _same_rows(queued.rows, rows):
+            return queued.tokens[:, None]
+        at = {id(r): j for j, r in enumerate(queued.rows)}
+        picked = queued.tokens[mx.array([at.get(id(r), 0) for r in rows])][:, None]
+        return mx.where(mx.array([[id(r) in at] for r in rows]), picked, last.astype(picked.dtype))
 
     def _queue_step(self, inputs: mx.array) -> QueuedStep:
         """One decode step of every row, from inputs [B, 1], queued on the GPU (mx.async_eval)."""
