@@ -84,27 +84,46 @@ def short_name(name: str) -> str:
     return m.group(1) if m else name[:70]
 
 
-def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1) -> list[tuple[str, float, float]]:
-    """The kernel records of `steps` pipelined steps: the compiled decode step at one token, MTP's compiled verify
-    forward (lily_mlx.speculative) over `tokens` new tokens otherwise."""
+def stepper(model, context: int, steps: int, vocab: int, tokens: int = 1, batch: int = 1):
+    """step(tokens [batch, 1]) -> logits [batch, V] over a cache prefilled with `context` tokens, with room for
+    `steps` steps and more: the compiled decode step at one token and one row; MTP's compiled verify forward
+    (lily_mlx.speculative) over `tokens` new tokens, fed the one token `tokens` times; at `batch` rows, the server's
+    batch of that many copies of the prompt (CompiledBatchDecoder, its stable batch; eager without compiled_decode)."""
+    import mlx.core as mx
+
+    from lily_mlx.decode import CompiledBatchDecoder, CompiledDecoder, CompiledVerifier
+    from lily_mlx.server.engine import _as_batch
+
+    from .profile_decode import prefilled_cache
+
+    if batch > 1 and tokens > 1:
+        raise SystemExit("gpu_timeline: --batch times the decode step (one token), not MTP's verify")
+    cache = prefilled_cache(model, context, vocab)
+    if batch > 1:
+        cache = _as_batch(cache, batch)
+        if CompiledBatchDecoder.applicable(model, cache):
+            return CompiledBatchDecoder(model, cache, reserve=2 * steps + 16)
+        return lambda tok: model(tok, cache=cache)[:, -1, :]
+    if tokens == 1:
+        return CompiledDecoder(model, cache, reserve=2 * steps + 16)
+    verifier = CompiledVerifier(model, cache, reserve=(2 * steps + 16) * tokens)
+    return lambda tok: verifier(mx.repeat(tok.reshape(1, 1), tokens, axis=1))[1][:, -1]  # the last position's
+
+
+def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1,
+                batch: int = 1) -> list[tuple[str, float, float]]:
+    """The kernel records of `steps` pipelined steps of stepper()'s step, each fed the greedy tokens of the last."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from lily_mlx.decode import CompiledDecoder, CompiledVerifier
-
-    from .profile_decode import greedy_next, prefilled_cache
+    from .profile_decode import greedy_next
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
     torch.cuda.init()
-    cache = prefilled_cache(model, context, vocab)
-    if tokens == 1:
-        dec = CompiledDecoder(model, cache, reserve=2 * steps + 16)
-    else:  # the verify's logits [1, 2, V] -> the last position's greedy token, fed back `tokens` times
-        verifier = CompiledVerifier(model, cache, reserve=(2 * steps + 16) * tokens)
-        dec = lambda tok: verifier(mx.repeat(tok.reshape(1, 1), tokens, axis=1))[1][:, -1]
-    tok = mx.array([[1]])
+    dec = stepper(model, context, steps, vocab, tokens, batch)
+    tok = mx.ones((batch, 1), dtype=mx.uint32)
     for _ in range(4):  # the trace and its compiles
         tok = greedy_next(dec(tok))
         mx.eval(tok)
@@ -176,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1],
                     help="tokens a step: 1 is the decode step, more MTP's verify forward over that many")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows a decode step: the server's batch of this many copies of the prompt")
     ap.add_argument("--mtp", type=float, nargs="+", default=[], metavar="ACCEPT",
                     help="instead, MTP decoding of 128 tokens at these set acceptances: a step is a verify forward "
                          "with what MTP launches around it")
@@ -188,8 +209,9 @@ def main(argv=None) -> int:
         runs = (({"mtp_accept": a}, f"MTP at acceptance {a}", *trace_mtp(model, a, 128, model.config.vocab_size))
                 for a in args.mtp)
     else:
-        runs = (({"context": c, "tokens": n}, f"context {c}, {n} token{'s' if n > 1 else ''}",
-                 trace_steps(model, c, args.steps, model.config.vocab_size, n), args.steps)
+        rows = f", {args.batch} rows" if args.batch > 1 else ""
+        runs = (({"context": c, "tokens": n, "batch": args.batch}, f"context {c}, {n} token{'s' if n > 1 else ''}{rows}",
+                 trace_steps(model, c, args.steps, model.config.vocab_size, n, args.batch), args.steps)
                 for c in args.context for n in args.tokens)
     for keys, label, records, steps in runs:
         t = {**keys, **timeline(records, steps)}

@@ -62,7 +62,7 @@ def timed_steps(step, steps: int) -> dict:
 
 
 def greedy_next(logits: mx.array) -> mx.array:
-    """logits [1, V] -> the next token [1, 1] as generate_step picks it with the greedy sampler: through the
+    """logits [B, V] -> the next tokens [B, 1] as generate_step picks them with the greedy sampler: through the
     logprobs (ops.to_logprobs: one launch with switch logprobs, else logsumexp, subtract and argmax)."""
     from lily_mlx import ops
 

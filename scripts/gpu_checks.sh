@@ -316,6 +316,12 @@ for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done
+# The server's 8-row decode step on the GPU's timeline, compiled (a stable batch) and eager (rows just changed): 8
+# clients decoded 330 tok/s in all (H100 run 88), ~41 a sequence, against ~470 for one.
+for disable in "" compiled_decode; do
+  step 60 120 "the server's 8-row step on the GPU's timeline${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" \
+    python3 -m bench.gpu_timeline --model "$model" --context 64 --batch 8 --json "$res/timeline_batch8${disable:+_eager}.json"
+done
 # The server extra's pure-Python wheels where the machine lacks them (pip download --no-deps -d .ptx-cache/wheels
 # uvicorn h11 click starlette anyio sniffio prometheus-client), behind what the machine has.
 if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then

@@ -506,6 +506,39 @@ def test_gpu_timeline_refuses_without_cuda():
         tl.main(["--model", str(EMBEDDED_4BIT_MODEL), "--steps", "2"])
 
 
+def test_gpu_timeline_steps_are_the_models_own(tiny_f32):
+    """bench.gpu_timeline's steps (the compiled decode step, the server's compiled and eager batches, MTP's verify
+    forward) give the eager model's logits over the same prefilled cache, two steps running."""
+    import lily_mlx
+    from lily_mlx import ops
+
+    tl = importlib.import_module(bench.__name__ + ".gpu_timeline")
+    pd = importlib.import_module(bench.__name__ + ".profile_decode")
+    model, _ = lily_mlx.load(str(tiny_f32))
+    vocab = model.config.vocab_size
+
+    def eager(batch, tokens=1):
+        cache = pd.prefilled_cache(model, 5, vocab)
+        out = []
+        for t in (3, 7):
+            x = mx.full((1, tokens), t, dtype=mx.uint32)
+            out.append(mx.concatenate([model(x, cache=cache)[:, -1, :]] * batch))
+        return out
+
+    def stepped(batch, tokens=1):
+        step = tl.stepper(model, 5, 2, vocab, tokens, batch)
+        return [step(mx.full((batch, 1), t, dtype=mx.uint32)) for t in (3, 7)]
+
+    for batch, tokens in ((1, 1), (3, 1), (1, 2)):
+        for got, want in zip(stepped(batch, tokens), eager(batch, tokens)):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-4, err_msg=f"{batch} rows, {tokens}")
+    with ops.disabled("compiled_decode"):
+        for got, want in zip(stepped(3), eager(3)):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-4, err_msg="eager batch")
+    with pytest.raises(SystemExit, match="--batch times the decode step"):
+        tl.stepper(model, 5, 2, vocab, 2, 3)
+
+
 @pytest.mark.parametrize("base", [-150, 2**31 - 150], ids=["uint32 wrap", "int32 wrap"])
 def test_chain_trace_reads_the_blocks_records(base):
     """bench.chain_trace's reading of a launch's records: times from the first ticket across the timer's 32-bit
