@@ -847,9 +847,9 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
 
 def test_pipelined_decode_equals_unpipelined(tiny_dir):
     """server_pipeline queues each step before the host reads the last: a lone greedy sequence, then a mixed batch
-    joining and leaving (seeded sampling with top logprobs, n=2, a stop string, logit_bias, a repetition penalty
-    that keeps its rows unpipelined, lengths ending at different steps) give the same events with it on and off,
-    and the pipelined run really had a step queued ahead."""
+    joining and leaving (seeded sampling with top logprobs, n=2, a stop string, logit_bias, the three penalties,
+    whose processors read the unread tokens on the GPU, lengths ending at different steps) give the same events with
+    it on and off, and the pipelined run really had a step queued ahead."""
     import lily_mlx
     from lily_mlx import ops
     from lily_mlx.server.engine import Engine, Request
@@ -862,7 +862,10 @@ def test_pipelined_decode_equals_unpipelined(tiny_dir):
                                                       top_logprobs=3, n=2), [], 17),
              ("Stops at a word:", SamplingParams(temperature=0), [" the"], 25),
              ("Biased toward token 5:", SamplingParams(temperature=0, logit_bias={5: 3.0, 9: -100.0}), [], 12),
-             ("Penalised:", SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3), [], 9)]
+             ("Penalised:", SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, repetition_context_size=6),
+              [], 19),
+             ("Presence and frequency:", SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.8), [],
+              21)]
 
     def run():
         engine = Engine(lambda: (model, tok)).start()
@@ -891,7 +894,7 @@ def test_pipelined_decode_equals_unpipelined(tiny_dir):
     assert seen and not seen_off
     assert pipelined == plain
     finishes = [e for ev in pipelined for e in ev if e[0] == "finish"]
-    assert len(finishes) == 6 and {e[2] for e in finishes} >= {"length"}
+    assert len(finishes) == 7 and {e[2] for e in finishes} >= {"length"}
 
 
 def test_pipeline_runs_through_rows_joining_and_leaving(tiny_dir, monkeypatch):
@@ -937,3 +940,51 @@ def test_pipeline_runs_through_rows_joining_and_leaving(tiny_dir, monkeypatch):
     assert all(host_inputs_off)
     assert pipelined == plain
     assert [e[2] for ev in pipelined for e in ev if e[0] == "finish"] == ["length"] * 3
+
+
+def test_penalties_read_the_tokens_the_host_has_not_read(tiny_dir):
+    """Greedy rows with repetition, presence and frequency penalties (favouring repeats, so a token the processors miss
+    shows at once), pipelined or not, alone or as n=2 batched rows:
+    the tokens equal lily_mlx.generate_step's with the same processors given the server's contexts (repetition: the
+    last tokens of prompt and output; presence, frequency: the output only), EOS barred by logit_bias in both."""
+    import lily_mlx
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_frequency_penalty, make_presence_penalty, make_repetition_penalty
+
+    from lily_mlx import ops
+    from lily_mlx.generation import generate_step
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    prompt, n_tokens = tok.encode("Penalties: the the the fox fox"), 24
+    barred = {t: -100.0 for t in tok.eos_token_ids}
+    params = dict(temperature=0, repetition_penalty=0.8, repetition_context_size=5, presence_penalty=-1.0,
+                  frequency_penalty=-0.3, logprobs=True, logit_bias=barred)
+    out_only = lambda proc: lambda h, logits: proc(h[len(prompt):], logits)  # noqa: E731
+    bias = mx.zeros((model.config.vocab_size,)).at[mx.array(list(barred))].add(-100.0)
+    procs = [lambda h, logits: logits + bias, make_repetition_penalty(0.8, 5),
+             out_only(make_presence_penalty(-1.0, n_tokens)), out_only(make_frequency_penalty(-0.3, n_tokens))]
+    want = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n_tokens, logits_processors=procs)]
+    plain = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n_tokens, logits_processors=procs[:1])]
+    assert want != plain and len(set(want)) < len(want)  # negative penalties: the output repeats itself
+
+    def served(n):
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events = []
+        try:
+            req = Request([prompt], [[]], [n_tokens], SamplingParams(n=n, **params),
+                          [ChoiceOutput(tok, [], chat=False) for _ in range(n)], events.extend, 60)
+            engine.submit(req)
+            _wait_finished([req])
+        finally:
+            engine.stop()
+        return [[lp.token for e in events if e[0] in ("delta", "finish") and e[1] == c
+                 for lp in (e[2] if e[0] == "delta" else e[3]).logprobs] for c in range(n)]
+
+    for pipelined in (True, False):
+        with ops.switched("server_pipeline", pipelined):
+            assert served(1) == [want], pipelined
+            assert served(2) == [want, want], pipelined

@@ -51,7 +51,7 @@ log = logging.getLogger("lily_mlx.server")
 # (then reused), and copying the rows' caches into a decoder is wasted on a batch about to change.
 STABLE_STEPS = 4
 ops.register_switch("server_pipeline", "the server queues each decode step before it reads the last step's tokens, so "
-                    "the host's reading and streaming overlap the GPU's work (rows without logits processors)")
+                    "the host's reading and streaming overlap the GPU's work")
 
 
 class QueueFull(APIError):
@@ -125,7 +125,6 @@ class Job:
 class Row:
     req: Request
     choice: int
-    prompt: list[int]
     out: ChoiceOutput
     last: int
     max_new: int
@@ -134,6 +133,10 @@ class Row:
     processors: list
     bias: Optional[mx.array]  # dense logit_bias [V], added to the whole batch at once
     generated: list[int] = field(default_factory=list)
+    # What the processors read, on the GPU: the prompt's last `history_prompt` tokens, then every sampled token, the
+    # ones the host has not read yet included (so a pipelined step's processors see the step before it).
+    history: Optional[mx.array] = None
+    history_prompt: int = 0
 
 
 @dataclass
@@ -442,17 +445,22 @@ class Engine:
             bias = mx.zeros((self.vocab_size,), dtype=mx.float32)
             bias[mx.array(list(p.logit_bias))] = mx.array(list(p.logit_bias.values()), dtype=mx.float32)
         self._bias = None
+        processors = make_processors(p, max_new)  # stateless: the rows of a request share them
+        kept = max((c for _, c in processors if c is not None), default=0)  # the prompt tokens they read
+        tail = job.tokens[max(0, len(job.tokens) - kept):] if kept else []
         for j in range(n):
             choice = job.index * n + j
-            self._rows.append(Row(req, choice, job.tokens, req.outputs[choice], job.tokens[-1], max_new,
-                                  keys[choice], make_row_sampler(p), make_processors(p, max_new), bias))
+            self._rows.append(Row(req, choice, req.outputs[choice], job.tokens[-1], max_new,
+                                  keys[choice], make_row_sampler(p), processors, bias,
+                                  history=mx.array(tail, dtype=mx.uint32) if processors else None,
+                                  history_prompt=len(tail)))
 
     def _decode_step(self) -> None:
         """One decode step's tokens read and fed to their rows. Pipelined, the next step over the rows as they are
         now is queued first: its inputs the unread tokens of the rows the queued step ran, the last token of rows
-        that joined since. Rows with logits processors (which read the tokens on the host) wait for each step."""
+        that joined since."""
         queued, self._queued = self._queued, None
-        pipelined = ops.enabled("server_pipeline") and not any(r.processors for r in self._rows)
+        pipelined = ops.enabled("server_pipeline")
         if queued is not None and not pipelined:
             self._read(queued)
             queued = None
@@ -488,6 +496,9 @@ class Engine:
         logits = self._process(rows, logits)
         logprobs, greedy = ops.to_logprobs(logits, greedy=True)
         tokens = self._sample(rows, logprobs, greedy)  # [B]
+        for i, r in enumerate(rows):
+            if r.history is not None:
+                r.history = mx.concatenate([r.history, tokens[i:i + 1].astype(mx.uint32)])
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         k = max((r.req.params.top_logprobs for r in rows if r.req.params.logprobs), default=0)
         top = None
@@ -585,9 +596,8 @@ class Engine:
         out = []
         for i, r in enumerate(rows):
             row = logits[i: i + 1]
-            for proc, context in r.processors:
-                ctx = r.generated if context is None else (r.prompt[-context:] + r.generated)[-context:]
-                row = proc(mx.array(ctx, dtype=mx.int32), row)
+            for proc, context in r.processors:  # context None: the generated tokens; else the last `context`
+                row = proc(r.history[r.history_prompt:] if context is None else r.history[-context:], row)
             out.append(row)
         return mx.concatenate(out, axis=0)
 
