@@ -84,6 +84,25 @@ def short_name(name: str) -> str:
     return m.group(1) if m else name[:70]
 
 
+def cuda_profiler_ready() -> None:
+    """torch's CUDA context up for CUPTI (MLX and torch share the device's primary context), or a clear exit."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
+    torch.cuda.init()
+
+
+def kernel_records(prof) -> list[tuple]:
+    """A finished torch.profiler run's kernel records: (name, start us, duration us[, launch shape])."""
+    trace = Path("/tmp/lily_gpu_timeline.json")
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), *launch_shape(e.get("args", {}))) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
 def stepper(model, context: int, steps: int, vocab: int, tokens: int = 1, batch: int = 1):
     """step(tokens [batch, 1]) -> logits [batch, V] over a cache prefilled with `context` tokens, with room for
     `steps` steps and more: the compiled decode step at one token and one row; MTP's compiled verify forward
@@ -114,14 +133,11 @@ def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1,
                 batch: int = 1) -> list[tuple[str, float, float]]:
     """The kernel records of `steps` pipelined steps of stepper()'s step, each fed the greedy tokens of the last."""
     import mlx.core as mx
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from .profile_decode import greedy_next
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
-    torch.cuda.init()
+    cuda_profiler_ready()
     dec = stepper(model, context, steps, vocab, tokens, batch)
     tok = mx.ones((batch, 1), dtype=mx.uint32)
     for _ in range(4):  # the trace and its compiles
@@ -136,12 +152,7 @@ def trace_steps(model, context: int, steps: int, vocab: int, tokens: int = 1,
             mx.async_eval(nxt)
             mx.eval(cur)
         mx.eval(nxt)
-    trace = Path("/tmp/lily_gpu_timeline.json")
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), *launch_shape(e.get("args", {}))) for e in events
-            if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return kernel_records(prof)
 
 
 def trace_mtp(model, accept: float, tokens: int, vocab: int) -> tuple[list[tuple], int]:
@@ -149,7 +160,6 @@ def trace_mtp(model, accept: float, tokens: int, vocab: int) -> tuple[list[tuple
     the first token after a 64-token prompt to the last of `tokens`, and how many verify forwards ran."""
     import mlx.core as mx
     import numpy as np
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from lily_mlx.generation import generate_step
@@ -157,9 +167,7 @@ def trace_mtp(model, accept: float, tokens: int, vocab: int) -> tuple[list[tuple
 
     from .mtp import counted_forwards, set_acceptance
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_timeline: torch sees no CUDA device, so CUPTI cannot trace MLX's kernels")
-    torch.cuda.init()
+    cuda_profiler_ready()
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, 64))
     sequence = prompt.tolist() + [t for t, _ in generate_step(prompt, model, max_tokens=tokens)]
     with set_acceptance(sequence, accept, vocab):  # the traces and compiles
@@ -176,12 +184,7 @@ def trace_mtp(model, accept: float, tokens: int, vocab: int) -> tuple[list[tuple
             pass
         mx.synchronize()
         prof.stop()
-    trace = Path("/tmp/lily_gpu_timeline.json")
-    prof.export_chrome_trace(str(trace))
-    events = json.loads(trace.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), *launch_shape(e.get("args", {}))) for e in events
-            if e.get("ph") == "X" and e.get("cat") == "kernel"], len(calls)
+    return kernel_records(prof), len(calls)
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session's checks in priority order, each under a time limit, so one short lease yields the most:
 # the cuda-marked tests, then the measurements BENCHMARKS.md still lacks. Run from the repository root on an
-# NVIDIA machine with MLX's CUDA build importable (the server step needs the `server` extra); reports go
-# to ${OUT:-gpu-results}/.
+# NVIDIA machine with MLX's CUDA build importable (the server steps need the `server` extra, or its wheels in
+# .ptx-cache/wheels); reports go to ${OUT:-gpu-results}/.
 #   bash scripts/gpu_checks.sh [seconds available, default 560]
 # Output: log.txt (every step's output) and reports.tgz (the JSON reports, the junit file, the decode profile).
 # TESTS narrows the first step (default: every cuda-marked test), e.g. when only defaults changed:
@@ -312,26 +312,26 @@ if command -v py-spy >/dev/null; then
 fi
 # A decode step passes ~2,200 arrays to its ~250 launches: what each input and output costs on the CPU.
 step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --json "$res/launch_cost.json"
+# The server extra's pure-Python wheels where the machine lacks them (pip download --no-deps -d .ptx-cache/wheels
+# uvicorn h11 click starlette anyio sniffio prometheus-client), behind what the machine has.
+if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
+fi
 for enable in "" "batched_attn_decode"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
+done
+# The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
+for disable in "" server_pipeline; do
+  step 120 150 "server at 1 and 8 clients${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" python3 \
+    -m bench.serve_load --model "$model" --concurrency 1,8 --requests-per-client 2 --max-tokens 64 \
+    --json "$res/serve_pipeline${disable:+_off}.json"
 done
 # The server's 8-row decode step on the GPU's timeline, compiled (a stable batch) and eager (rows just changed): 8
 # clients decoded 330 tok/s in all (H100 run 88), ~41 a sequence, against ~470 for one.
 for disable in "" compiled_decode; do
   step 60 120 "the server's 8-row step on the GPU's timeline${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --batch 8 --json "$res/timeline_batch8${disable:+_eager}.json"
-done
-# The server extra's pure-Python wheels where the machine lacks them (pip download --no-deps -d .ptx-cache/wheels
-# uvicorn h11 click starlette anyio sniffio prometheus-client), behind what the machine has.
-if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
-fi
-# The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
-for disable in "" server_pipeline; do
-  step 120 150 "server at 1 and 8 clients${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" python3 \
-    -m bench.serve_load --model "$model" --concurrency 1,8 --requests-per-client 2 --max-tokens 64 \
-    --json "$res/serve_pipeline${disable:+_off}.json"
 done
 save_ptx_cache
 echo "== done in $(($(date +%s) - start)) s; reports in $out/"

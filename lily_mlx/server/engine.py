@@ -144,7 +144,7 @@ class QueuedStep:
     """A decode step on the GPU whose tokens the host has not read yet: rows [B] as they were when it was queued."""
 
     rows: list[Row]
-    tokens: mx.array  # [B] int32
+    tokens: mx.array  # [B] the sampled token ids
     chosen: mx.array  # [B] the tokens' log-probabilities
     top: Optional[tuple[mx.array, mx.array]]  # ([B, k] token ids, [B, k] log-probabilities) when a row asks for them
 
@@ -342,11 +342,11 @@ class Engine:
         if len(keep) == len(self._rows):
             return
         self._leave_batched()
+        if not keep:
+            self._drop_rows()
+            return
         self._bias = None
         self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache, self._solo, self._queued = None, None, None
-            return
         for c in self._cache:
             c.filter(keep)
 
@@ -371,8 +371,12 @@ class Engine:
             req.fail(error)
         self._live.clear()
         self._jobs.clear()
-        self._rows, self._cache, self._bias, self._prefill, self._solo, self._batched = [], None, None, None, None, None
-        self._queued = None
+        self._drop_rows()
+        self._prefill = None
+
+    def _drop_rows(self) -> None:
+        """No rows decoding: their caches, compiled steps, logit_bias and queued step go with them."""
+        self._rows, self._cache, self._bias, self._solo, self._batched, self._queued = [], None, None, None, None, None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -512,7 +516,7 @@ class Engine:
         log.exception("decode step failed; failing %d sequences", len(self._rows))
         for r in self._rows:
             r.req.fail(APIError(f"generation failed: {type(e).__name__}: {e}", code="decode_failed"))
-        self._rows, self._cache, self._bias, self._solo, self._batched, self._queued = [], None, None, None, None, None
+        self._drop_rows()
 
     def _read(self, step: QueuedStep) -> None:
         """The step's tokens fed to those of its rows still running; the rows that stop leave the batch."""
