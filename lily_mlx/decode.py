@@ -152,10 +152,11 @@ class _StaticBatchKV:
 class _StaticState:
     lengths = None
 
-    def __init__(self, conv: mx.array, state: mx.array, keep: bool = False):
+    def __init__(self, conv: mx.array, state: mx.array, keep: bool = False, alt: Optional[tuple] = None):
         self.cache = [conv, state]
         self.keep = keep  # the model's DeltaNet layer then sets kept: (conv, state) before the last token
         self.kept = None
+        self.alt = alt  # (conv, state, use_alt [1] bool): the pair the step starts from instead where use_alt
 
     def __getitem__(self, i):
         return self.cache[i]
@@ -423,14 +424,15 @@ def verify_outputs(model, tokens, cache) -> tuple[mx.array, mx.array]:
 
 
 def _run_model(model, tokens, n_cache: int, kv_index, state_index, kv_shims, states, head,
-               keep: bool = False) -> tuple[tuple, list, list]:
+               keep: bool = False, alt: Optional[tuple] = None) -> tuple[tuple, list, list]:
     """head(model, tokens, shims of its cache) (kv_shims for the attention layers, in kv_index order), the updated
-    DeltaNet (conv, state) pairs and with keep the pairs before the last token (else [])."""
+    DeltaNet (conv, state) pairs and with keep the pairs before the last token (else []). alt = (pairs, use_alt [1]
+    bool): where use_alt, the DeltaNet layers start from those pairs instead of `states`."""
     shims: List[Any] = [None] * n_cache
     for i, s in zip(kv_index, kv_shims):
         shims[i] = s
-    for i, (conv, state) in zip(state_index, states):
-        shims[i] = _StaticState(conv, state, keep)
+    for j, (i, (conv, state)) in enumerate(zip(state_index, states)):
+        shims[i] = _StaticState(conv, state, keep, None if alt is None else (*alt[0][j], alt[1]))
     out = head(model, tokens, shims)
     return out, [tuple(shims[i].cache) for i in state_index], [shims[i].kept for i in state_index] if keep else []
 
@@ -445,15 +447,15 @@ def _batch_step(model, n_cache: int, kv_index: List[int], state_index: List[int]
 
 
 def _decode_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
-                 head: Callable = _last_logits, keep: bool = False):
+                 head: Callable = _last_logits, keep: bool = False, alt: Optional[tuple] = None):
     """offset1 [1] int32, what the fused attention reads; the scalar is for the several-token path only (a
     decode step's trace drops it). -> (*head's outputs, every updated cache array[, with keep the DeltaNet states
-    before the last token])."""
+    before the last token]). alt: _run_model's."""
     offset = offset1.reshape(())
     kv, states = _unflatten(flat, len(kv_index), len(state_index))
     pos = _new_rows(kv, tokens.shape[1], offset1)
     shims = [_StaticKV(k, v, offset, offset1, pos) for k, v in kv]
-    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep)
+    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep, alt)
     return (*out, *_flatten([(s.keys, s.values) for s in shims], states), *_flatten([], kept))
 
 
@@ -477,23 +479,23 @@ def _draft_pick_step(model, n_cache: int, kv_index: List[int], state_index: List
 def _selected_step(step: Callable, model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1,
                    accept1, *flat):
     """A verify forward from the last one's DeltaNet states after its draft where accept1 [1] bool (the draft
-    confirmed), else before it: flat holds the K/V, then both sets of (conv, state) pairs. The select reads both sets
-    and writes one (2 MB of state a layer at the 35B shape): deltanet_step reading a stacked pair by index would not."""
+    confirmed), else before it: flat holds the K/V, then both sets of (conv, state) pairs. The DeltaNet kernels read
+    the picked pair in place (their ALT): a select would read both and write one, 2 MB of state a layer at the 35B
+    shape (H100 run 88: 762 us of a 3,446 us forward)."""
     n = 2 * len(state_index)
     after, before = flat[len(flat) - 2 * n:len(flat) - n], flat[len(flat) - n:]
-    states = [mx.where(accept1, a, b) for a, b in zip(after, before)]
-    return step(model, n_cache, kv_index, state_index, tokens, offset1, *flat[:len(flat) - 2 * n], *states,
-                head=verify_outputs, keep=True)
+    return step(model, n_cache, kv_index, state_index, tokens, offset1, *flat[:len(flat) - 2 * n], *before,
+                head=verify_outputs, keep=True, alt=(_unflatten(after, 0, len(state_index))[1], accept1))
 
 
 def _stacked_step(model, n_cache: int, kv_index: List[int], state_index: List[int], tokens, offset1, *flat,
-                  head: Callable = _last_logits, keep: bool = False):
+                  head: Callable = _last_logits, keep: bool = False, alt: Optional[tuple] = None):
     """_decode_step over one stacked K and V [P*B, Hkv, capacity, D]: every layer's new rows written at once."""
     offset = offset1.reshape(())
     ((keys, values),), states = _unflatten(flat, 1, len(state_index))
     rows: list = []
     shims = [_StackedKV(keys, values, p, offset, offset1, rows) for p in range(len(kv_index))]
-    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep)
+    out, states, kept = _run_model(model, tokens, n_cache, kv_index, state_index, shims, states, head, keep, alt)
     if rows and all(attn_decode.written_in_place(k) for k, _ in rows):  # kv_write: written; order after the launches
         keys, values = mx.depends([keys, values], [a for row in rows for a in row])
     else:

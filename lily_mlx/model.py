@@ -169,24 +169,30 @@ class GatedDeltaNet(nn.Module):
             conv_state = mx.zeros((B, self.conv_width - 1, self.conv_dim), dtype=x.dtype)
         lengths = cache.lengths if cache is not None else None
         state = cache[1] if cache is not None else None
+        # One token, or a few after a cache (a speculative verify): the fused decode step where a kernel applies
+        # (the same composition otherwise).
+        decode = T == 1 or (T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None)
+        # Where the GPU picks a verify's start, the cache holds a second pair and the pick (decode_step's alt). One
+        # token's kept states are its inputs, and deltanet_mix takes one pair: picked here.
+        alt = getattr(cache, "alt", None)
+        if alt is not None and (T == 1 or not decode):
+            (conv_state, state), alt = ops.picked_states(conv_state, state, alt), None
         args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm["weight"], state)
         kw = dict(num_key_heads=self.Hk, eps=self.norm.eps, mask=mask, lengths=lengths)
         h, kept = None, ()
         # A speculative verify's cache (decode.CompiledVerifier) keeps the states after all but the last token too.
         keep = getattr(cache, "keep", False)
-        # One token, or a few after a cache (a speculative verify): the fused decode step where a kernel applies
-        # (the same composition otherwise).
-        if T == 1 or (T <= DECODE_TOKENS_MAX and mask is None and lengths is None and state is not None):
+        if decode:
             source = None if norm is None else (x, (norm["weight"], norm.eps), self.fused_in.quantized())
             o = None if residual is None or source is None else output_weights(self.out_proj, residual, x.dtype)
             chained = None if o is None or lengths is not None else ops.deltanet_decode_add(
                 *source, (*o[0], o[2], o[1]), residual, *args, num_key_heads=self.Hk, eps=self.norm.eps, mask=mask,
-                keep=keep and T > 1)
+                keep=keep and T > 1, alt=alt)
             if chained is not None:  # the output projection and the residual add included
                 h, conv_state, state, *kept = chained
             else:
                 out, conv_state, state, *kept = ops.deltanet_decode_step(proj, *args, source=source,
-                                                                         keep=keep and T > 1, **kw)
+                                                                         keep=keep and T > 1, alt=alt, **kw)
         else:
             if keep:
                 raise ValueError(f"a verify cache keeps its states over at most {DECODE_TOKENS_MAX} tokens, got {T}")

@@ -131,11 +131,12 @@ def nvcc_include() -> Path:
 
 
 def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None,
-                         sms: int = 132, tokens: int = 1) -> list[tuple]:
+                         sms: int = 132, tokens: int = 1, resident: bool = False) -> list[tuple]:
     """(kernel, grid blocks, block threads, dynamic shared bytes, full CUDA source) of each launch of one compiled
     decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches` (names
     on, "-name" off, the rest as CUDA's defaults), traced on the CPU as the CUDA path builds it on a GPU of `sms`
-    multiprocessors, with a cache of capacity about `context`; over `tokens` > 1, MTP's verify forward instead."""
+    multiprocessors, with a cache of capacity about `context`; over `tokens` > 1, MTP's verify forward instead, and
+    with `resident` then the resident loop's forward too (mtp_resident: its states picked on the GPU)."""
     import contextlib
     from unittest import mock
 
@@ -177,7 +178,12 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
         model(mx.array([[1]]), cache=cache)
         dec = (CompiledDecoder if tokens == 1 else CompiledVerifier)(model, cache, reserve=context)
         with mock.patch.object(kernels, "launch", counted):
-            mx.eval(dec(mx.ones((1, tokens), dtype=mx.int32)))
+            tokens_in = mx.ones((1, tokens), dtype=mx.int32)
+            mx.eval(dec(tokens_in))
+            if resident:
+                states = list(dec.states)
+                mx.eval(dec.selected(tokens_in, mx.array([dec.offset], dtype=mx.int32), mx.array([True]), states,
+                                     states, dec.offset + tokens))
     return launched
 
 

@@ -47,7 +47,7 @@ CONTEXTS = (64, 4096)
 # MTP's verify forward over 2 and 3 tokens (gpu_checks.sh's verify timelines, bench.mtp), by default (verify_keep on
 # CUDA), with the chains at every row, without verify_keep, with deltanet_chain's input projection at 4 and 2 rows a
 # lane segment, attn_chain's at 4 and 5, and traced (bench.chain_trace --tokens 2), at context 64: (switches,
-# LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens).
+# LILY_MLX_PLAN, LILY_MLX_KERNEL_DEFINES, tokens). The first also traces the resident loop's forward (mtp_resident).
 ROWS_CHAINS = "moe_chain,deltanet_chain_out,attn_chain"
 VERIFY_CONFIGS = [("", "", "", 2), ("", "", "", 3), (ROWS_CHAINS, "", "", 3), ("-verify_keep", "", "", 2),
                   ("", "deltanet_chain.IN_RPS=4", "", 2), ("", "deltanet_chain.IN_RPS=2", "", 2),
@@ -62,7 +62,8 @@ def trace(context: int) -> None:
     spec.loader.exec_module(tool)
     switches = tuple(s for s in os.environ.get("LILY_PREBUILD_SWITCHES", "").split(",") if s)
     tokens = int(os.environ.get("LILY_PREBUILD_TOKENS", "1"))
-    for *_, source in tool.decode_step_launches(switches, context, tokens=tokens):
+    resident = os.environ.get("LILY_PREBUILD_RESIDENT") == "1"
+    for *_, source in tool.decode_step_launches(switches, context, tokens=tokens, resident=resident):
         print(json.dumps({"kernel": re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1),
                           "source": source}))
 
@@ -76,7 +77,7 @@ def sources(jobs: int) -> dict[str, tuple[str, str]]:
     def one(run):
         (switches, plan, defines, tokens), ctx = run
         env = dict(os.environ, LILY_PREBUILD_SWITCHES=switches, LILY_MLX_PLAN=plan, LILY_MLX_KERNEL_DEFINES=defines,
-                   LILY_PREBUILD_TOKENS=str(tokens))
+                   LILY_PREBUILD_TOKENS=str(tokens), LILY_PREBUILD_RESIDENT=str(int(run[0] == VERIFY_CONFIGS[0])))
         env.setdefault("LILY_MLX_KERNEL_CACHE", KERNEL_SOURCES)
         r = subprocess.run([sys.executable, __file__, "--trace", str(ctx)], env=env, capture_output=True, text=True)
         if r.returncode:

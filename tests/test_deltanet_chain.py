@@ -20,7 +20,7 @@ from lily_mlx.ops import kernels, qmv, reference
 from emulator import GXX, Emulator
 from counters import assert_launches_agree
 from switch_ab import assert_chain_decodes, decode_rel_err
-from test_deltanet_step import BF16, F32, Case, _check_step
+from test_deltanet_step import BF16, F32, Case, _check_step, picked
 
 NAN = float("nan")
 
@@ -39,6 +39,10 @@ OUT_CASES = [c for c in CASES if c[0].Hv * c[0].Dv % 32 == 0]
 KEEP_CASE = (Case(2, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, keep=True), 96, 4, 32)
 KEEP_CASES = [KEEP_CASE, (Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True), 2048,
                           4, 64)]  # and MTP's 2-token verify of the 35B layer
+# ALT (mtp_resident): the states picked on the GPU from two pairs, each pick in turn.
+ALT_CASE = (Case(2, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, keep=True, alt=True), 96, 4, 32)
+ALT_CASES = [ALT_CASE, (Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True, alt=True),
+                        2048, 4, 64)]
 
 
 def _inputs(case, K, bits, gs, seed=0):
@@ -76,8 +80,9 @@ def _close(case, what, got, ref):
 
 
 def _check(case, x, norm, in_proj, params, conv_state, state, mask, got, out_proj=None):
-    """Phase by phase: the projection against the oracle, the step fed the kernel's projection, then (out_proj) h
-    against x + the output projection of the kernel's own step output."""
+    """Phase by phase: the projection against the oracle, the step fed the kernel's projection (from the picked
+    states: conv_state and state), then (out_proj) h against x + the output projection of the kernel's own step
+    output."""
     out, conv_new, state_new, proj = got[:4]
     with mx.stream(mx.cpu):
         xn = reference.rms_norm(x, norm[0], norm[1])
@@ -98,9 +103,10 @@ def test_chain_emulated_matches_reference(tmp_path):
     # the 35B layer at B 1 planned for 132 SMs (6 rows a lane segment, one wave of 129 projection blocks).
     runs = [(c, False, False, None) for c in CASES] + [(c, True, False, None) for c in OUT_CASES]
     runs += [(CASES[0], False, True, None), (OUT_CASES[0], True, True, None), (MODEL[0], True, False, 132)]
-    runs += [(KEEP_CASE, with_out, False, None) for with_out in (False, True)]
+    runs += [(c, with_out, False, None) for c in (KEEP_CASE, ALT_CASE) for with_out in (False, True)]
     for n, ((case, K, bits, gs), with_out, prefetch, sms) in enumerate(runs):
         x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs, seed=n)
+        alt = case.alt_inputs(n, n)
         out_proj = _out_proj(case, K, seed=n) if with_out else None
         conv_w, A_log, dt_bias, norm_w = params
         M = kernels.row_bucket(case.B * case.tokens)
@@ -110,9 +116,9 @@ def test_chain_emulated_matches_reference(tmp_path):
         assert sms is None or (p["qmv"]["RPS"], p["proj_blocks"]) == (6, 129)
         inst = dc.instance(x.dtype, BF16, norm[0].dtype, M, K, bits, gs, (conv_w.dtype, A_log.dtype, dt_bias.dtype,
                            norm_w.dtype), case.Hk, case.Hv, case.Dk, case.Dv, case.W, mask is not None, case.eps, norm[1],
-                           o, p, prefetch=prefetch, keep=case.keep)
+                           o, p, prefetch=prefetch, keep=case.keep, alt=case.alt)
         args = [x, *in_proj[:3], norm[0], conv_w, conv_state, A_log, dt_bias, norm_w, state,
-                kernels.placeholder(mx.bool_) if mask is None else mask]
+                kernels.placeholder(mx.bool_) if mask is None else mask, *(alt or ())]
         shapes = [(case.B, case.tokens, case.Hv * case.Dv), ds.kept_shape(conv_state.shape, case.keep),
                   ds.kept_shape(state.shape, case.keep), (case.B, case.tokens, PW)]
         blocks = p["proj_blocks"] + case.B * case.Hv
@@ -122,9 +128,10 @@ def test_chain_emulated_matches_reference(tmp_path):
             blocks += p["out"]["blocks"]
         args.append(mx.zeros((kernels.SYNC_SLOTS,), dtype=mx.int32))
         threads = 32 * p["WARPS"]
-        emu.add(dc.OUT_SPEC if with_out else dc.SPEC, inst, args, (blocks * threads, 1, 1), (threads, 1, 1), shapes,
+        spec = (dc.OUT_ALT_SPEC if case.alt else dc.OUT_SPEC) if with_out else (dc.ALT_SPEC if case.alt else dc.SPEC)
+        emu.add(spec, inst, args, (blocks * threads, 1, 1), (threads, 1, 1), shapes,
                 reversed_groups=n % 2 == 1, read_back=(len(args) - 1,))
-        checks.append(((case, x, norm, in_proj, params, conv_state, state, mask), out_proj))
+        checks.append(((case, x, norm, in_proj, params, *picked(conv_state, state, alt), mask), out_proj))
     for (c, out_proj), (*got, sync) in zip(checks, emu.run()):
         _check(*c, ds.split_kept(got, 1, c[0].keep), out_proj)
         assert not np.array(sync).any(), f"{c[0]}: counters left at {np.array(sync)}"
@@ -254,15 +261,17 @@ def test_chains_take_one_row_unless_opted_in(monkeypatch):
     assert ops.backend_defaults("metal") == ()
 
 
-def _gpu(backend, case, K, bits, gs, with_out=False):
-    """Right, and assert_launches_agree: launches in one eval on counters of their own, equal, counters zero after."""
+def _gpu(backend, case, K, bits, gs, with_out=False, step=0):
+    """Right, and assert_launches_agree: launches in one eval on counters of their own, equal, counters zero after.
+    step: Case.alt_inputs' (ALT's pick)."""
     x, norm, in_proj, params, conv_state, state, mask = _inputs(case, K, bits, gs)
     out_proj = _out_proj(case, K) if with_out else None
+    alt = case.alt_inputs(0, step)
     run = lambda: dc.step(x, norm, in_proj, params[0], conv_state, params[1], params[2], params[3], state,
                           num_key_heads=case.Hk, eps=case.eps, mask=mask, out_proj=out_proj,
-                          residual=x if with_out else None, backend=backend, init_value=NAN, keep=case.keep)
+                          residual=x if with_out else None, backend=backend, init_value=NAN, keep=case.keep, alt=alt)
     first = assert_launches_agree(run, str(case))
-    _check(case, x, norm, in_proj, params, conv_state, state, mask, first, out_proj)
+    _check(case, x, norm, in_proj, params, *picked(conv_state, state, alt), mask, first, out_proj)
     return first
 
 
@@ -295,6 +304,14 @@ def test_chain_metal(case, K, bits, gs):
 @pytest.mark.parametrize("case,K,bits,gs", OUT_CASES + MODEL + KEEP_CASES, ids=repr)
 def test_chain_out_cuda(case, K, bits, gs):
     _gpu("cuda", case, K, bits, gs, with_out=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("use_alt", [True, False])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("case,K,bits,gs", ALT_CASES, ids=repr)
+def test_chain_alt_cuda(case, K, bits, gs, with_out, use_alt):
+    _gpu("cuda", case, K, bits, gs, with_out=with_out, step=0 if use_alt else 1)
 
 
 @pytest.mark.metal

@@ -36,17 +36,18 @@ class Case:
     launch (a speculative verify's several; masks per step: [B] rows, or [B][tokens])."""
 
     def __init__(self, B, Hk, Hv, Dk, Dv, W=4, dtypes=(F32,) * 5, masks=None, eps=1e-6, launch=None, tokens=1,
-                 keep=False):
+                 keep=False, alt=False):
         self.B, self.Hk, self.Hv, self.Dk, self.Dv, self.W = B, Hk, Hv, Dk, Dv, W
         self.dtypes, self.masks, self.eps, self.launch, self.tokens = dtypes, masks, eps, launch, tokens
         self.keep = keep  # KEEP: the states before the last token too
+        self.alt = alt  # ALT: a second pair of states, the one the step starts from where use_alt
         self.C = 2 * Hk * Dk + Hv * Dv
 
     def __repr__(self):
         names = "-".join(str(d).split(".")[-1] for d in self.dtypes[:2])
         return (f"B{self.B}-Hk{self.Hk}-Hv{self.Hv}-Dk{self.Dk}-Dv{self.Dv}-W{self.W}-{names}"
                 f"{'-masked' if self.masks else ''}{f'-T{self.tokens}' if self.tokens > 1 else ''}"
-                f"{'-keep' if self.keep else ''}")
+                f"{'-keep' if self.keep else ''}{'-alt' if self.alt else ''}")
 
     def params(self, seed):
         T, TW, TA, TD, TN = self.dtypes
@@ -62,6 +63,13 @@ class Case:
         conv_state = mx.random.normal((self.B, self.W - 1, self.C), key=k[0]).astype(self.dtypes[0])
         state = mx.random.normal((self.B, self.Hv, self.Dv, self.Dk), key=k[1]) * 0.1
         return conv_state, state
+
+    def alt_inputs(self, seed, step):
+        """ALT's (conv state, state, use_alt [1] bool), use_alt on at even steps; None without ALT."""
+        if not self.alt:
+            return None
+        conv_state, state = self.initial(seed + 5000 + step)
+        return conv_state, state, mx.array([step % 2 == 0])
 
     def token(self, seed, step):
         T, L = self.dtypes[0], self.tokens
@@ -154,6 +162,12 @@ EMULATED = [
     Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, keep=True,
          masks=[[[True, True, True], [True, False, True], [False, False, True]]] * 3),
     Case(2, 2, 4, 16, 24, W=2, dtypes=(F32, BF16, F32, F32, F32), launch={"WARPS": 2, "RB": 3}, tokens=4, keep=True),
+    # ALT (a verify whose start the GPU picks), with and without KEEP: the steps alternate the pair they start from.
+    Case(1, 2, 4, 32, 48, tokens=2, keep=True, alt=True),
+    Case(3, 1, 3, 64, 32, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=3, alt=True,
+         masks=[[[True, True, True], [True, False, True], [False, False, True]]] * 3),
+    Case(2, 2, 4, 16, 24, W=2, dtypes=(F32, BF16, F32, F32, F32), launch={"WARPS": 2, "RB": 3}, tokens=4, keep=True,
+         alt=True),
 ]
 
 
@@ -171,10 +185,19 @@ def _check_kept(case, step, kept, tok, params, conv_state, state):
     assert _rel(state_kept, s_ref) < TOL_STATE, f"{case} step {step}: kept state rel err {_rel(state_kept, s_ref):.2e}"
 
 
-def _arrays(case, tok, params, conv_state, state):
+def _arrays(case, tok, params, conv_state, state, alt):
     proj, mask = tok
     conv_w, A_log, dt_bias, norm_w = params
-    return [proj, conv_w, conv_state, A_log, dt_bias, norm_w, state, mx.array([True]) if mask is None else mask]
+    return [proj, conv_w, conv_state, A_log, dt_bias, norm_w, state, mx.array([True]) if mask is None else mask,
+            *(alt or ())]
+
+
+def picked(conv_state, state, alt):
+    """The states a step with ALT starts from (the reference's pick, on the CPU)."""
+    with mx.stream(mx.cpu):
+        out = ops.picked_states(conv_state, state, alt)
+        mx.eval(out)
+    return out
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ is not installed")
@@ -186,18 +209,18 @@ def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
         emu, inputs = Emulator(tmp_path), []
         for c, case in enumerate(EMULATED):
             inst = ds.instance(*case.dtypes, case.B, case.Hk, case.Hv, case.Dk, case.Dv, case.W,
-                               case.masks is not None, case.eps, case.launch, case.keep)
+                               case.masks is not None, case.eps, case.launch, case.keep, case.alt)
             threads = 32 * (case.launch or ds.plan(case.Dk, case.Dv))["WARPS"]
-            tok, params = case.token(c, step), case.params(c)
+            tok, params, alt = case.token(c, step), case.params(c), case.alt_inputs(c, step)
             out_shapes = [(case.B, case.tokens, case.Hv * case.Dv), ds.kept_shape((case.B, case.W - 1, case.C), case.keep),
                           ds.kept_shape((case.B, case.Hv, case.Dv, case.Dk), case.keep)]
-            emu.add(ds.SPEC, inst, _arrays(case, tok, params, *states[c]), (case.B * case.Hv * threads, 1, 1),
+            emu.add(ds.ALT_SPEC if case.alt else ds.SPEC, inst, _arrays(case, tok, params, *states[c], alt), (case.B * case.Hv * threads, 1, 1),
                     (threads, 1, 1), out_shapes)
-            inputs.append((tok, params))
-        for c, (got, (tok, params)) in enumerate(zip(emu.run(), inputs)):
+            inputs.append((tok, params, alt))
+        for c, (got, (tok, params, alt)) in enumerate(zip(emu.run(), inputs)):
             case = EMULATED[c]
             got = ds.split_kept(got, 1, case.keep)
-            errs = _check_step(case, step, got, tok, params, *states[c])
+            errs = _check_step(case, step, got, tok, params, *picked(*states[c], alt))
             worst[repr(case)] = tuple(max(e, w) for e, w in zip(errs, worst.get(repr(case), (0.0,) * 4)))
             states[c] = (got[1], got[2])  # the next step starts from the kernel's own outputs
     print("max rel err (out, state vs fp32 reference; out, state vs same-dtype reference):", worst)
@@ -213,6 +236,7 @@ GPU_CASES = EMULATED + [
     Case(2, 2, 4, 256, 32, dtypes=(mx.float16, mx.float16, F32, mx.float16, mx.float16)),
     Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=5),  # the 35B shape's longest verify
     Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True),  # MTP's verify, verify_keep
+    Case(1, 16, 32, 128, 128, dtypes=(BF16, BF16, F32, BF16, BF16), tokens=2, keep=True, alt=True),  # mtp_resident's
 ]
 TOL_OUT[mx.float16] = 2e-3
 
@@ -221,14 +245,14 @@ def _gpu_steps(backend, case, seed=0):
     params = case.params(seed)
     conv_state, state = case.initial(seed)
     for step in range(STEPS):
-        tok = case.token(seed, step)
+        tok, alt = case.token(seed, step), case.alt_inputs(seed, step)
         proj, mask = tok
         got = ds.deltanet_step(proj, params[0], conv_state, *params[1:], state, num_key_heads=case.Hk,
                                eps=case.eps, mask=mask, backend=backend, init_value=float("nan"), launch=case.launch,
-                               keep=case.keep)
+                               keep=case.keep, alt=alt)
         assert got is not None, f"deltanet_step declined {case}"
         mx.eval(got)
-        _check_step(case, step, got, tok, params, conv_state, state)
+        _check_step(case, step, got, tok, params, *picked(conv_state, state, alt))
         _, conv_state, state = got[:3]
 
 
@@ -384,6 +408,12 @@ def test_unsupported_arguments_are_declined():
     assert "dtypes" in why(conv_state=conv_state.astype(BF16))
     assert "state" in why(state=state.astype(BF16))
     assert "mask" in why(mask=mx.array([[1]]))
+    use = mx.array([True])
+    assert why(alt=(conv_state, state, use)) is None
+    assert "alt" in why(alt=(conv_state, state, use), state=None)
+    assert "alt" in why(alt=(conv_state[:, 1:], state, use)) and "alt" in why(alt=(conv_state, state.astype(BF16), use))
+    assert "use_alt" in why(alt=(conv_state, state, mx.array([1]))) and "use_alt" in why(alt=(conv_state, state,
+                                                                                            mx.array([True, False])))
     big = Case(1, 1, 1, 288, 32)
     p, (cs, st), (pj, _) = big.params(0), big.initial(0), big.token(0, 0)
     assert "head dims" in ds.unsupported(pj, p[0], cs, p[1], p[2], p[3], st, 1, 1e-6)

@@ -299,10 +299,11 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
     model = layer_stack()
     cache = model.make_cache()
     model(mx.array([list(range(1, 9))]), cache=cache)
-    launches = collections.Counter()
+    launches, alt_launches = collections.Counter(), collections.Counter()
 
     def standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value=None):
-        launches[name] += 1
+        launches[name.removesuffix("_alt")] += 1
+        alt_launches[name] += name.endswith("_alt")
         outs = [mx.broadcast_to(mx.array(0, dtype=d), s) for s, d in zip(output_shapes, output_dtypes)]
         return mx.depends(outs, list(inputs))
 
@@ -323,6 +324,7 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
             flat = [a for pair in verifier.kv for a in pair] + [a for pair in verifier.states for a in pair]
             mx.eval(flat)
             launches.clear()
+            alt_launches.clear()
             tokens, offset1 = mx.array([list(range(1, T + 1))]), mx.array([verifier.offset], dtype=mx.int32)
             out = verifier._step(tokens, offset1, *flat)
             if T == 2:  # the resident loop's forward (mtp_resident): the last forward's states picked on the GPU
@@ -331,16 +333,18 @@ def test_verify_step_launches(monkeypatch, tmp_path, chains):
                 selected = step(model, len(cache), verifier.kv_index, verifier.state_index, tokens, offset1,
                                 mx.array([True]), *flat, *states)
         expected = chained if chains == "opted-in" or (chains == "defaults" and T <= 2) else unchained
+        # the resident forward's DeltaNet launches are their _alt variants (the picked states read in place)
+        assert sum(alt_launches.values()) == (30 if T == 2 else 0), alt_launches
         assert dict(launches) == ({n: 2 * c for n, c in expected.items()} if T == 2 else expected)
         counts = _primitives(out, tmp_path / f"verify{T}.dot")
         # An integer index on a kept state is a gather, a copy of it (H100 run 85: 1.85 ms of a 4.2 ms verify).
         assert counts["Gather"] == 0
         totals[T] = sum(counts.values()) - counts["Broadcast"]  # the stand-ins' broadcasts are not the step's
         print(f"verify step, {T} tokens, chains {chains}: {totals[T]} primitives")
-        if T == 2:  # one select a DeltaNet conv state and state more
+        if T == 2:  # the DeltaNet kernels pick the states in place (ALT): not one select or copy more
             picked = _primitives(selected, tmp_path / "selected.dot")
-            assert picked["Gather"] == 0 and picked["Select"] == counts["Select"] + 2 * 30
-            assert sum(picked.values()) - picked["Broadcast"] - picked["Select"] == totals[2] - counts["Select"] + \
+            assert picked["Gather"] == 0 and picked["Select"] == counts["Select"]
+            assert sum(picked.values()) - picked["Broadcast"] == totals[2] + \
                 (0 if ops.enabled("verify_keep") else 2 * 3 * 30)  # its kept states: verify_keep's views
     # By default the chains take one or two tokens, and on CUDA verify_keep's kept states cost 3 views a DeltaNet
     # state (a split and two squeezes) from 2 tokens on: compare like with like.

@@ -385,24 +385,27 @@ def deltanet_mix(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, sta
 
 
 def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
-                         eps: float, mask=None, lengths=None, source=None, keep: bool = False):
+                         eps: float, mask=None, lengths=None, source=None, keep: bool = False, alt=None):
     """deltanet_mix for decode tokens (T = 1, or a few after a cache: a speculative verify): one fused launch where
     the kernel applies, else the same composition. Right-padded batches (lengths) always take the composition. proj:
     the fused projection [B, T, qkv | z | b | a], or a function returning it; source = (x [B, T, K], (input norm
     weight, eps), (w, scales, biases, bits, group_size) of the quantized projection) lets deltanet_chain compute
     proj in the same launch, and a function given for proj is then not called. keep (T >= 2, no lengths): the conv
-    state and state after all but the last token follow, what a speculative verify rolls a rejected draft back to."""
+    state and state after all but the last token follow, what a speculative verify rolls a rejected draft back to.
+    alt = (conv state, state, use_alt [1] bool): the tokens start from that pair where use_alt, else from conv_state
+    and state (a verify whose start the GPU picks; the kernels read the picked pair in place)."""
     if lengths is None and source is not None and enabled("deltanet_step") and enabled("qmv"):
         out = _try("deltanet_chain", *source, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep)
+                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep, alt=alt)
         if out is not None:
             return out
     proj = proj() if callable(proj) else proj
     if lengths is None:
         out = _try("deltanet_step", proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep)
+                   num_key_heads=num_key_heads, eps=eps, mask=mask, keep=keep, alt=alt)
         if out is not None:
             return out
+    conv_state, state = picked_states(conv_state, state, alt)
     mix = lambda p, m: deltanet_mix(p, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,  # noqa: E731
                                     num_key_heads=num_key_heads, eps=eps, mask=m, lengths=lengths)
     if not keep:
@@ -411,16 +414,26 @@ def deltanet_decode_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_wei
 
 
 def deltanet_decode_add(x, norm, in_proj, out_proj, residual, conv_weight, conv_state, A_log, dt_bias, norm_weight,
-                        state, *, num_key_heads: int, eps: float, mask=None, keep: bool = False):
+                        state, *, num_key_heads: int, eps: float, mask=None, keep: bool = False, alt=None):
     """residual + out_proj(the DeltaNet step of x) for decode tokens, the layer's whole mixer half in one launch
     (deltanet_chain_out): (h [B, T, H], conv state, state[, and with keep the two states after all but the last
     token]), or None where that does not apply (the caller runs deltanet_decode_step and its output projection).
     norm = (weight, eps); in_proj, out_proj = (w, scales, biases, bits, group_size) of the fused input projection
-    and of the output projection."""
+    and of the output projection; alt as deltanet_decode_step takes it."""
     if not (enabled("deltanet_step") and enabled("qmv")):
         return None
     return _try("deltanet_chain_out", x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-                num_key_heads=num_key_heads, eps=eps, mask=mask, out_proj=out_proj, residual=residual, keep=keep)
+                num_key_heads=num_key_heads, eps=eps, mask=mask, out_proj=out_proj, residual=residual, keep=keep,
+                alt=alt)
+
+
+def picked_states(conv_state, state, alt) -> tuple:
+    """(conv state, state): alt's pair (conv state, state, use_alt [1] bool) where use_alt, else the given one. The
+    reference of the decode kernels' ALT, which read the picked pair in place instead."""
+    if alt is None:
+        return conv_state, state
+    conv_alt, state_alt, use_alt = alt
+    return mx.where(use_alt, conv_alt, conv_state), mx.where(use_alt, state_alt, state)
 
 
 def rope(x, dims: int, base: float, offset) -> mx.array:

@@ -46,7 +46,7 @@ def shared_bytes(M: int, K: int, Dk: int, Dv: int, warps: int, bits: int) -> int
 
 
 def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads: int,
-                eps: float, mask=None, out_proj=None, residual=None) -> Optional[str]:
+                eps: float, mask=None, out_proj=None, residual=None, alt=None) -> Optional[str]:
     """Why deltanet_chain (with out_proj and residual: deltanet_chain_out) does not apply (None when it does): the
     checks of qmv (normed input; residual output) and deltanet_step."""
     if norm is None or in_proj is None:
@@ -55,7 +55,8 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
     if why:
         return why
     (B, L, _), bits = proj.shape, in_proj[3]
-    why = ds.unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps, mask)
+    why = ds.unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps, mask,
+                         alt)
     if why:
         return why
     Hk, Hv, Dk, Dv, _ = ds.split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
@@ -76,13 +77,13 @@ def unsupported(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_
 def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group_size: int, step_dtypes, Hk: int,
              Hv: int, Dk: int, Dv: int, W: int, masked: bool, eps: float, eps_in: float,
              out: Optional[tuple] = None, p: Optional[dict] = None, prefetch: bool = False,
-             keep: bool = False) -> kernels.Instance:
+             keep: bool = False, alt: bool = False) -> kernels.Instance:
     """step_dtypes: deltanet_step's (conv weight, A_log, dt_bias, gated norm weight) dtypes; out: (H, bits, group,
     scale dtype) of the output projection [H, Hv*Dv] (deltanet_chain_out); p: plan()'s, when the caller has it;
-    prefetch: chain_prefetch's L2 hints (PF); keep: deltanet_step's KEEP."""
+    prefetch: chain_prefetch's L2 hints (PF); keep: deltanet_step's KEEP; alt: an instance of the _alt variant."""
     PW = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
     p = p or plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]))
-    step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"], keep)
+    step = ds.instance(dtype, *step_dtypes, M, Hk, Hv, Dk, Dv, W, masked, eps, p["step"], keep, alt)
     template = step.template + (("QTN", norm_in_dtype), ("BITS", bits), ("GS", group_size), ("M", M), ("K", K),
                                 ("LANES", p["qmv"]["LANES"]), ("RPS", p["qmv"]["RPS"]),
                                 ("QEPS_BITS", kernels.float_bits(eps_in)))
@@ -103,16 +104,17 @@ def instance(dtype, scale_dtype, norm_in_dtype, M: int, K: int, bits: int, group
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup, Hv, Dv, Dk, PW) or None
 
 
-def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep=False):
+def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep=False, alt=None):
     key = (tuple((a.shape, a.dtype) for a in (x, norm[0], *in_proj[:3], *args) if a is not None),
            in_proj[3:], norm[1], args[-1] is None, num_key_heads, eps, None if mask is None else mask.shape,
            None if out_proj is None else (tuple((a.shape, a.dtype) for a in (*out_proj[:3], residual)), out_proj[3:]),
-           keep, kernels.sm_count(), enabled("chain_prefetch"))
+           keep, None if alt is None else tuple((a.shape, a.dtype) for a in alt), kernels.sm_count(),
+           enabled("chain_prefetch"))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
     launch = None
-    if unsupported(x, norm, in_proj, *args, num_key_heads, eps, mask, out_proj, residual) is None:
+    if unsupported(x, norm, in_proj, *args, num_key_heads, eps, mask, out_proj, residual, alt) is None:
         conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
         w, scales, _, bits, group_size = in_proj
         PW, K = w.shape[0], x.shape[-1]
@@ -123,7 +125,8 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
         p = plan(M, K, PW, bits, Dk, Dv, None if out is None else (Hv * Dv, out[0], out[1]), key[-2])
         inst = instance(x.dtype, scales.dtype, norm[0].dtype, M, K, bits, group_size,
                         (conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype), Hk, Hv, Dk, Dv,
-                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1], keep=keep)
+                        conv_weight.shape[1], mask is not None, eps, norm[1], out, p, prefetch=key[-1], keep=keep,
+                        alt=alt is not None)
         threads = 32 * p["WARPS"]
         blocks = p["proj_blocks"] + x.shape[0] * Hv + (0 if out is None else p["out"]["blocks"])
         launch = (list(inst.template), (blocks * threads, 1, 1), (threads, 1, 1), Hv, Dv, Dk, PW)
@@ -133,17 +136,17 @@ def _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual
 
 def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
          eps: float, mask=None, out_proj=None, residual=None, backend: str, init_value: Optional[float] = None,
-         keep: bool = False):
+         keep: bool = False, alt: Optional[tuple] = None):
     """Decode tokens from the layer's input: x [B, T, K] (T: 1, or a speculative verify's few), norm = (input norm
     weight [K], eps), in_proj = (w, scales, biases, bits, group_size) of the fused projection [qkv | z | b | a]; the
     rest as deltanet_step takes them. -> (out [B, T, Hv*Dv], conv state, state, proj [B, T, PW]), and with out_proj
     (the output projection [H, Hv*Dv] as in_proj) and residual [B, T, H] also h = residual + out_proj(out) last
     (deltanet_chain_out); None if not applicable. keep (T >= 2): the conv state and state after all but the last
-    token follow (deltanet_step's KEEP)."""
+    token follow (deltanet_step's KEEP); alt: the pair picked on the GPU (deltanet_step's)."""
     if norm is None or in_proj is None or (out_proj is None) != (residual is None):
         return None
     args = (conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
-    launch = _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep)
+    launch = _launch(x, norm, in_proj, args, num_key_heads, eps, mask, out_proj, residual, keep, alt)
     if launch is None:
         return None
     template, grid, group, Hv, Dv, Dk, PW = launch
@@ -151,7 +154,7 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [x, *in_proj[:3], norm[0], conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-              kernels.placeholder(mx.bool_) if mask is None else mask]
+              kernels.placeholder(mx.bool_) if mask is None else mask, *(alt or ())]
     L = x.shape[1]
     shapes = [(B, L, Hv * Dv), ds.kept_shape(conv_state.shape, keep), ds.kept_shape((B, Hv, Dv, Dk), keep), (B, L, PW)]
     dtypes = [x.dtype, x.dtype, mx.float32, x.dtype]
@@ -161,16 +164,22 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
         shapes.append(residual.shape)
         dtypes.append(x.dtype)
     inputs.append(kernels.sync_counters())
-    out = kernels.call(name, backend, inputs, template, grid, group, shapes, dtypes, init_value)
+    out = kernels.call(ds.variant(name, alt), backend, inputs, template, grid, group, shapes, dtypes, init_value)
     return ds.split_kept(out, 1, keep)
 
 
-def _instances(out: bool) -> list[kernels.Instance]:
+def _instances(out: bool, alt: bool = False) -> list[kernels.Instance]:
     """The 35B-A3B layer (2048 -> 12,352, group 64; output 4096 -> 2048) and the embedded models' heads, at decode
-    row buckets; the test shapes in float32 and bf16."""
+    row buckets; the test shapes in float32 and bf16. alt: the _alt variant's (the resident loop's verify)."""
     f32, bf16 = mx.float32, mx.bfloat16
     # The output projection [H, Hv*Dv]: group 64 where Hv*Dv allows it, else 32.
     o = lambda H, b, heads: (H, b, 64 if heads[1] * heads[3] % 64 == 0 else 32, bf16) if out else None
+    if alt:  # MTP's 2-token verify of the 35B layer and of the embedded model, and the emulated test's case
+        insts = [instance(bf16, bf16, bf16, 2, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
+                          o(2048, 4, heads), keep=True, alt=True) for heads in ds.MODEL_HEADS[:2]]
+        insts.append(instance(bf16, bf16, bf16, 8, 96, 4, 32, (bf16, f32, bf16, bf16), 1, 3, 64, 32, 4, False, 1e-6,
+                              1e-6, o(96, 4, (1, 3, 64, 32)), keep=True, alt=True))
+        return kernels.unique_instances(insts, key=kernels.source_key)
     insts = [instance(t, bf16, t, M, 2048, 4, 64, (t, f32, t, t), *heads, 4, masked, 1e-6, 1e-6, o(2048, 4, heads))
              for heads in ds.MODEL_HEADS for M in (1, 2, 4, 8) for t in (bf16, f32) for masked in (False, True)]
     insts += [instance(bf16, bf16, bf16, 1, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
@@ -215,6 +224,8 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     cuda_launch_bounds=(32 * ds.MAX_WARPS,), cuda_max_registers=_register_cap,
     weights=(("w", "scales", "biases"), ("wo", "so", "bo")), bundle=_BUNDLE + ("wo",),
 ))
+ALT_SPEC = ds.alt_spec(SPEC, lambda: _instances(False, alt=True))
+OUT_ALT_SPEC = ds.alt_spec(OUT_SPEC, lambda: _instances(True, alt=True))
 
 
 def _dispatch(x, *args, keep: bool = False, **kwargs):

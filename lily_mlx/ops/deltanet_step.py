@@ -9,6 +9,7 @@ dispatcher runs the reference composition), picks the launch shape and registers
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import mlx.core as mx
@@ -44,7 +45,7 @@ def split_heads(proj, conv_weight, A_log, Dv: int, num_key_heads: int) -> Option
 
 
 def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, num_key_heads, eps,
-                mask=None) -> Optional[str]:
+                mask=None, alt=None) -> Optional[str]:
     """Why the kernel does not apply to these arguments (None when it does)."""
     heads = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
     if proj.ndim != 3 or not 1 <= proj.shape[1] <= MAX_TOKENS or heads is None:
@@ -72,34 +73,47 @@ def unsupported(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, stat
         return f"eps {eps}"
     if B * Hv * Dv * Dk >= 2**31 or B * W * proj.shape[-1] >= 2**31:
         return "int32 indexing"
+    if alt is not None:
+        conv_alt, state_alt, use_alt = alt
+        if state is None or (conv_alt.shape, conv_alt.dtype, state_alt.shape, state_alt.dtype) != (
+                conv_state.shape, conv_state.dtype, state.shape, state.dtype):
+            return "alt: the alternative conv state and state must match conv_state's and state's shapes and dtypes"
+        if use_alt.size != 1 or use_alt.dtype != mx.bool_:
+            return "alt: use_alt must be one bool"
     return None
 
 
 def instance(dtype, weight_dtype, alog_dtype, dt_bias_dtype, norm_dtype, B: int, Hk: int, Hv: int, Dk: int, Dv: int,
-             W: int, masked: bool, eps: float, launch: Optional[dict] = None, keep: bool = False) -> kernels.Instance:
-    """keep: the states after all but the last token too (KEEP; conv_state_out and state_out get a leading 2)."""
+             W: int, masked: bool, eps: float, launch: Optional[dict] = None, keep: bool = False,
+             alt: bool = False) -> kernels.Instance:
+    """keep: the states after all but the last token too (KEEP; conv_state_out and state_out get a leading 2); alt:
+    an instance of the _alt variant (ALT_SPEC), its states picked on the GPU from two pairs."""
     p = launch or plan(Dk, Dv)
     C = 2 * Hk * Dk + Hv * Dv
     template = (("T", dtype), ("TW", weight_dtype), ("TA", alog_dtype), ("TD", dt_bias_dtype), ("TN", norm_dtype),
                 ("HK", Hk), ("HV", Hv), ("DK", Dk), ("DV", Dv), ("W", W), ("WARPS", p["WARPS"]), ("RB", p["RB"]),
                 ("MASKED", bool(masked)), ("EPS_BITS", kernels.float_bits(eps)), ("KEEP", bool(keep)))
-    inputs = ((dtype, (B, 1, C + Hv * Dv + 2 * Hv)), (weight_dtype, (C, W, 1)), (dtype, (B, W - 1, C)),
-              (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)), (norm_dtype, (Dv,)), (mx.float32, (B, Hv, Dv, Dk)),
+    conv_shape, state_shape = (B, W - 1, C), (B, Hv, Dv, Dk)
+    inputs = ((dtype, (B, 1, C + Hv * Dv + 2 * Hv)), (weight_dtype, (C, W, 1)), (dtype, conv_shape),
+              (alog_dtype, (Hv,)), (dt_bias_dtype, (Hv,)), (norm_dtype, (Dv,)), (mx.float32, state_shape),
               (mx.bool_, (B, 1) if masked else (1,)))
+    if alt:
+        inputs += ((dtype, conv_shape), (mx.float32, state_shape), (mx.bool_, (1,)))
     return kernels.Instance(template, inputs, (dtype, dtype, mx.float32))
 
 
 _LAUNCH: dict = {}  # argument signature -> (template, grid, threadgroup) or None (not applicable)
 
 
-def _launch(args, num_key_heads, eps, mask, launch, keep):
+def _launch(args, num_key_heads, eps, mask, launch, keep, alt):
     key = (tuple((x.shape, x.dtype) for x in args if x is not None), args[-1] is None, num_key_heads, eps,
-           None if mask is None else mask.shape, None if launch is None else tuple(sorted(launch.items())), keep)
+           None if mask is None else mask.shape, None if launch is None else tuple(sorted(launch.items())), keep,
+           None if alt is None else tuple((x.shape, x.dtype) for x in alt))
     hit = _LAUNCH.get(key, False)
     if hit is not False:
         return hit
     out = None
-    if unsupported(*args, num_key_heads, eps, mask) is None:
+    if unsupported(*args, num_key_heads, eps, mask, alt) is None:
         proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, _ = args
         Hk, Hv, Dk, Dv, _ = split_heads(proj, conv_weight, A_log, norm_weight.shape[0], num_key_heads)
         p = launch or plan(Dk, Dv)
@@ -113,13 +127,15 @@ def _launch(args, num_key_heads, eps, mask, launch, keep):
 
 def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, *, num_key_heads: int,
                   eps: float, mask=None, backend: str, init_value: Optional[float] = None, launch: Optional[dict] = None,
-                  keep: bool = False):
+                  keep: bool = False, alt: Optional[tuple] = None):
     """T <= MAX_TOKENS decode tokens from the fused projection proj [B, T, qkv | z | b | a]: (out [B, T, Hv*Dv] in
     proj's dtype, new conv state [B, W-1, C], new state [B, Hv, Dv, Dk] float32), or None when the kernel
     does not apply. state None means zeros; mask [B, T] bool marks real tokens (a masked token leaves the
-    state unchanged). keep (T >= 2): the conv state and state after all but the last token follow."""
+    state unchanged). keep (T >= 2): the conv state and state after all but the last token follow. alt =
+    (conv state, state, use_alt [1] bool): the tokens start from that pair instead where use_alt, read in place
+    (deltanet_step_alt)."""
     args = (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
-    plan_ = _launch(args, num_key_heads, eps, mask, launch, keep)
+    plan_ = _launch(args, num_key_heads, eps, mask, launch, keep, alt)
     if plan_ is None:
         return None
     template, grid, group, (Hv, Dv, Dk) = plan_
@@ -127,11 +143,16 @@ def deltanet_step(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, st
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-              kernels.placeholder(mx.bool_) if mask is None else mask]
+              kernels.placeholder(mx.bool_) if mask is None else mask, *(alt or ())]
     shapes = [(B, proj.shape[1], Hv * Dv), kept_shape(conv_state.shape, keep), kept_shape((B, Hv, Dv, Dk), keep)]
-    out = kernels.call("deltanet_step", backend, inputs, template, grid, group, shapes,
+    out = kernels.call(variant("deltanet_step", alt), backend, inputs, template, grid, group, shapes,
                        [proj.dtype, proj.dtype, mx.float32], init_value)
     return split_kept(out, 1, keep)
+
+
+def variant(name: str, alt: Optional[tuple]) -> str:
+    """The kernel a launch takes: `name`, or with alt its _alt variant (alt_spec)."""
+    return name + ALT if alt is not None else name
 
 
 def kept_shape(shape: tuple, keep: bool) -> tuple:
@@ -158,7 +179,7 @@ MODEL_HEADS = ((16, 32, 128, 128), (2, 4, 32, 48), (2, 4, 16, 24))
 TEST_HEADS = ((1, 3, 64, 32), (2, 6, 48, 40), (1, 2, 256, 256), (2, 4, 256, 32), (1, 1, 32, 256))
 
 
-def _instances() -> list[kernels.Instance]:
+def _instances(alt: bool) -> list[kernels.Instance]:
     f32, bf16, f16 = mx.float32, mx.bfloat16, mx.float16
     eps = 1e-6
     combos = []
@@ -170,6 +191,14 @@ def _instances() -> list[kernels.Instance]:
     for heads in TEST_HEADS:
         combos += [(f32, f32, f32, f32, f32, 3, *heads, 4, False, eps), (bf16, f32, bf16, f32, bf16, 3, *heads, 4, True, 1e-5)]
     combos.append((bf16, bf16, bf16, bf16, bf16, 3, 1, 3, 64, 32, 2, True, eps))  # conv width 2
+    if alt:  # the resident loop's verify (KEEP too) at the models' heads, and the emulated tests' cases
+        insts = [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True, alt=True)
+                 for heads in MODEL_HEADS]
+        insts += [instance(f32, f32, f32, f32, f32, 1, 2, 4, 32, 48, 4, False, eps, keep=True, alt=True),
+                  instance(bf16, bf16, f32, bf16, bf16, 3, 1, 3, 64, 32, 4, True, eps, alt=True),
+                  instance(f32, bf16, f32, f32, f32, 2, 2, 4, 16, 24, 2, False, eps, {"WARPS": 2, "RB": 3}, keep=True,
+                           alt=True)]
+        return kernels.unique_instances(insts, key=kernels.source_key)
     insts = [instance(*c) for c in combos]
     # KEEP (a verify's states before its last token): the models' heads, and the emulated tests' heads
     insts += [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True) for heads in MODEL_HEADS]
@@ -184,8 +213,23 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     input_names=("proj", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
     output_names=("out", "conv_state_out", "state_out"), template_params=SPEC_PARAMS,
     description="Gated DeltaNet decode step (conv, norms, gates, state update, gated RMSNorm) in one launch",
-    instances=_instances, cuda_launch_bounds=(32 * MAX_WARPS, 2),
+    instances=lambda: _instances(False), cuda_launch_bounds=(32 * MAX_WARPS, 2),
 ))
+ALT = "_alt"  # the variant's suffix
+ALT_INPUTS = ("conv_state_alt", "state_alt", "use_alt")
+
+
+def alt_spec(spec: kernels.KernelSpec, instances) -> kernels.KernelSpec:
+    """spec's variant whose states are picked on the GPU (LILY_ALT): the alternative pair and use_alt after its mask.
+    A variant of its own, so the plain launch (every decode step) takes no placeholders for them."""
+    at = spec.input_names.index("mask") + 1
+    return kernels.register_spec(dataclasses.replace(
+        spec, name=spec.name + ALT, input_names=spec.input_names[:at] + ALT_INPUTS + spec.input_names[at:],
+        defines=spec.defines + ("LILY_ALT",), instances=instances,
+        description=spec.description + "; its states picked on the GPU from two pairs"))
+
+
+ALT_SPEC = alt_spec(SPEC, lambda: _instances(True))
 
 
 def _dispatch(*args, **kwargs):
