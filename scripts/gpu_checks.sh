@@ -15,7 +15,8 @@
 # and with .ptx-cache/lily-kernels.tar.xz (scripts/prebuild_kernels.py) where it exists.
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments;
-# AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s).
+# AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s); SERVE_ARGS replaces the pipelined
+# server steps' request arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -324,7 +325,7 @@ done
 # The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
 for disable in "" server_pipeline; do
   step 120 150 "server at 1 and 8 clients${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" python3 \
-    -m bench.serve_load --model "$model" --concurrency 1,8 --requests-per-client 2 --max-tokens 64 \
+    -m bench.serve_load --model "$model" --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
     --json "$res/serve_pipeline${disable:+_off}.json"
 done
 # The server's 8-row decode step on the GPU's timeline, compiled (a stable batch) and eager (rows just changed): 8
