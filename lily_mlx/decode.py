@@ -358,13 +358,20 @@ class CompiledBatchDecoder:
         self.state_index = [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
         first = cache[self.kv_index[0]]
         self.idx, self.left_padding, self.offset = first._idx, first.left_padding.astype(mx.int32), first.offset
-        capacity = max(first.keys.shape[2], self.idx + reserve)
+        capacity = self.traced_shape(cache, reserve)[1]
         self.kv = [(_pad_to(cache[i].keys[..., : self.idx, :], capacity),
                     _pad_to(cache[i].values[..., : self.idx, :], capacity)) for i in self.kv_index]
         for i in self.kv_index:  # the rows live here until write_back: one copy of the K/V in memory, not two
             cache[i].keys = cache[i].values = None
         self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
         self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "batch")
+
+    @staticmethod
+    def traced_shape(cache: List[Any], reserve: int = STEP) -> tuple[int, int]:
+        """(rows, K/V capacity) of the step a decoder over `cache` runs first: mx.compile traces it once a shape, so
+        the capacity is rounded up to a STEP, as CompiledDecoder's, for later batches to reuse the trace."""
+        first = next(c for c in cache if isinstance(c, BatchKVCache))
+        return first.keys.shape[0], _round_up(max(first.keys.shape[2], first._idx + reserve))
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
@@ -382,7 +389,7 @@ class CompiledBatchDecoder:
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if self.idx + tokens.shape[1] > self.kv[0][0].shape[2]:
-            capacity = self.idx + tokens.shape[1] + STEP
+            capacity = _round_up(self.idx + tokens.shape[1] + STEP)
             self.kv = [(_pad_to(k, capacity), _pad_to(v, capacity)) for k, v in self.kv]
         flat = _flatten(self.kv, self.states)
         out = self._fn(_token_ids(tokens), kernels.int32_scalar(self.idx), self.left_padding, self.offset, *flat)

@@ -804,6 +804,58 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkey
     assert any(rows_taken), "no batched row went through ops.attention_decode"
 
 
+def test_batch_trace_reuse_compiles_a_known_batch_at_its_first_step(tiny_dir, monkeypatch):
+    """Switch batch_trace_reuse: two rows decode compiled (after STABLE_STEPS), one leaves, and a late request makes
+    two rows again at the same capacity: that batch compiles at its first step, where without the switch it decodes
+    STABLE_STEPS eager steps first. The greedy text is the same either way, and the eager path's."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server import engine as eng
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    texts, lengths = ["Foxes and hounds", "Models serve", "Late arrival:"], [48, 12, 16]
+    steps = []  # (rows, steps since they changed, compiled) of each batched step
+    real_step = Engine._step
+    monkeypatch.setattr(Engine, "_step", lambda self, x: (real_step(self, x), steps.append(
+        (len(self._rows), self._stable, self._batched is not None)))[0] if self._solo is None else real_step(self, x))
+
+    def run():
+        steps.clear()
+        engine = Engine(lambda: (model, tok)).start()
+        assert engine.ready.wait(30)
+        events, reqs = [[] for _ in texts], []
+        try:
+            for i, (t, n) in enumerate(zip(texts, lengths)):
+                if i == 2:  # the late one joins the first row, alone and compiled once the second has left
+                    deadline = time.monotonic() + 30
+                    while not (len(engine._rows) == 1 and engine._stable > eng.STABLE_STEPS + 1):
+                        assert time.monotonic() < deadline and not reqs[0].finished
+                        time.sleep(0.001)
+                req = Request([tok.encode(t)], [[]], [n], SamplingParams(temperature=0),
+                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+                reqs.append(req)
+                engine.submit(req)
+            _wait_finished(reqs)
+        finally:
+            engine.stop()
+        joined = steps.index(next(s for s in steps if s[0] == 1)) + 1  # the 2-row steps after the leave
+        again = [s for s in steps[joined:] if s[0] == 2]
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") for ev in events], again
+
+    assert not ops.enabled("batch_trace_reuse")
+    text_off, again_off = run()
+    with ops.switched("batch_trace_reuse", True):
+        text_on, again_on = run()
+    with ops.disabled("compiled_decode"):
+        text_eager, _ = run()
+    assert again_on[0] == (2, 1, True), again_on[:3]  # compiled at once: its shape was traced
+    assert [c for _, _, c in again_off[:eng.STABLE_STEPS + 1]] == [False] * eng.STABLE_STEPS + [True], again_off[:6]
+    assert text_on == text_off == text_eager
+
+
 def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
     """--warmup (the CLI's default) decodes a batch of each kernel row bucket up to --max-batch before the engine
     says ready, and leaves nothing behind: a request after it decodes as it does without."""

@@ -7,7 +7,8 @@ sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and 
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
 own prompt cache; a second arrival writes that state back and the rows continue batched. A batch whose
 rows have not changed for STABLE_STEPS steps decodes compiled too (CompiledBatchDecoder), until the next
-row joins or leaves. Decode steps are pipelined (switch `server_pipeline`): the next step is queued on the GPU,
+row joins or leaves; with switch batch_trace_reuse (opt-in) at once where a batch of the same rows and
+capacity was compiled before. Decode steps are pipelined (switch `server_pipeline`): the next step is queued on the GPU,
 fed the tokens the host has not read yet, before the host reads, detokenizes and streams the last step's; rows
 joining and leaving keep the pipeline going.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
@@ -50,6 +51,9 @@ log = logging.getLogger("lily_mlx.server")
 # Steps a batch must keep its rows before it is compiled: each new batch size traces the 40-layer graph once
 # (then reused), and copying the rows' caches into a decoder is wasted on a batch about to change.
 STABLE_STEPS = 4
+ops.register_switch("batch_trace_reuse", "the server compiles a batch at its first step when it has compiled one of the same "
+                    "rows and capacity before (the trace is reused), instead of after STABLE_STEPS eager steps",
+                    default_on=False)
 ops.register_switch("server_pipeline", "the server queues each decode step before it reads the last step's tokens, so "
                     "the host's reading and streaming overlap the GPU's work")
 
@@ -220,6 +224,7 @@ class Engine:
         self._solo: Optional[CompiledDecoder] = None  # the compiled step of a sequence running alone, over _cache
         self._batched: Optional[CompiledBatchDecoder] = None  # the compiled step of a stable batch, over _cache
         self._stable = 0  # decode steps since the rows last changed
+        self._traced: set[tuple[int, int]] = set()  # (rows, capacity) of the batches compiled so far
         self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
         self._queued: Optional[QueuedStep] = None  # the next step, queued before the last one was read (pipelined)
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
@@ -559,11 +564,21 @@ class Engine:
             return self._solo(inputs)
         self._stable += 1
         # Checked once per stable run of rows (not every step): a batch that cannot compile stays eager until it changes.
-        if self._batched is None and self._stable == STABLE_STEPS + 1 and CompiledBatchDecoder.applicable(self.model, self._cache):
+        if self._batched is None and self._compile_now() and CompiledBatchDecoder.applicable(self.model, self._cache):
             self._batched = CompiledBatchDecoder(self.model, self._cache)
+            self._traced.add((self._batched.kv[0][0].shape[0], self._batched.kv[0][0].shape[2]))
         if self._batched is not None:
             return self._batched(inputs)
         return self.model(inputs, cache=self._cache)[:, -1, :]
+
+    def _compile_now(self) -> bool:
+        """Whether this step of a batch compiles it: after STABLE_STEPS steps with the same rows, or (switch
+        batch_trace_reuse) at its first when a batch of its rows and capacity was compiled before."""
+        if self._stable == STABLE_STEPS + 1:
+            return True
+        return (self._stable == 1 and ops.enabled("batch_trace_reuse")
+                and all(c.keys is not None for c in self._cache if isinstance(c, BatchKVCache))
+                and CompiledBatchDecoder.traced_shape(self._cache) in self._traced)
 
     def _advance(self, r: Row, token: int, lp: Optional[TokenLogprob]) -> bool:
         """Feed one sampled token to its row. -> whether the row keeps generating."""
