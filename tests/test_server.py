@@ -819,8 +819,14 @@ def test_batch_trace_reuse_compiles_a_known_batch_at_its_first_step(tiny_dir, mo
     texts, lengths = ["Foxes and hounds", "Models serve", "Late arrival:"], [48, 12, 16]
     steps = []  # (rows, steps since they changed, compiled) of each batched step
     real_step = Engine._step
-    monkeypatch.setattr(Engine, "_step", lambda self, x: (real_step(self, x), steps.append(
-        (len(self._rows), self._stable, self._batched is not None)))[0] if self._solo is None else real_step(self, x))
+
+    def step(self, inputs):
+        out = real_step(self, inputs)
+        if self._solo is None:
+            steps.append((len(self._rows), self._stable, self._batched is not None))
+        return out
+
+    monkeypatch.setattr(Engine, "_step", step)
 
     def run():
         steps.clear()
