@@ -367,10 +367,13 @@ class CompiledBatchDecoder:
         self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "batch")
 
     @staticmethod
-    def traced_shape(cache: List[Any], reserve: int = STEP) -> tuple[int, int]:
-        """(rows, K/V capacity) of the step a decoder over `cache` runs first: mx.compile traces it once a shape, so
-        the capacity is rounded up to a STEP, as CompiledDecoder's, for later batches to reuse the trace."""
-        first = next(c for c in cache if isinstance(c, BatchKVCache))
+    def traced_shape(cache: List[Any], reserve: int = STEP) -> Optional[tuple[int, int]]:
+        """(rows, K/V capacity) of the step a decoder over `cache` runs first (None while it holds no K/V):
+        mx.compile traces it once a shape, so the capacity is rounded up to a STEP, as CompiledDecoder's, for later
+        batches to reuse the trace."""
+        first = next((c for c in cache if isinstance(c, BatchKVCache)), None)
+        if first is None or first.keys is None:
+            return None
         return first.keys.shape[0], _round_up(max(first.keys.shape[2], first._idx + reserve))
 
     @staticmethod

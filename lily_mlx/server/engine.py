@@ -564,21 +564,20 @@ class Engine:
             return self._solo(inputs)
         self._stable += 1
         # Checked once per stable run of rows (not every step): a batch that cannot compile stays eager until it changes.
-        if self._batched is None and self._compile_now() and CompiledBatchDecoder.applicable(self.model, self._cache):
+        shape = CompiledBatchDecoder.traced_shape(self._cache) if self._batched is None else None
+        if shape is not None and self._compile_now(shape) and CompiledBatchDecoder.applicable(self.model, self._cache):
             self._batched = CompiledBatchDecoder(self.model, self._cache)
-            self._traced.add((self._batched.kv[0][0].shape[0], self._batched.kv[0][0].shape[2]))
+            self._traced.add(shape)
         if self._batched is not None:
             return self._batched(inputs)
         return self.model(inputs, cache=self._cache)[:, -1, :]
 
-    def _compile_now(self) -> bool:
-        """Whether this step of a batch compiles it: after STABLE_STEPS steps with the same rows, or (switch
-        batch_trace_reuse) at its first when a batch of its rows and capacity was compiled before."""
+    def _compile_now(self, shape: tuple[int, int]) -> bool:
+        """Whether this step of a batch of `shape` (rows, capacity) compiles it: after STABLE_STEPS steps with the
+        same rows, or (switch batch_trace_reuse) at its first when a batch of that shape was compiled before."""
         if self._stable == STABLE_STEPS + 1:
             return True
-        return (self._stable == 1 and ops.enabled("batch_trace_reuse")
-                and all(c.keys is not None for c in self._cache if isinstance(c, BatchKVCache))
-                and CompiledBatchDecoder.traced_shape(self._cache) in self._traced)
+        return self._stable == 1 and ops.enabled("batch_trace_reuse") and shape in self._traced
 
     def _advance(self, r: Row, token: int, lp: Optional[TokenLogprob]) -> bool:
         """Feed one sampled token to its row. -> whether the row keeps generating."""
