@@ -708,6 +708,39 @@ def _wait_finished(reqs: list, watch=lambda: False, timeout: float = 60.0) -> bo
     return seen
 
 
+def _wait_until(cond, possible, timeout: float = 30.0) -> None:
+    """Polls until cond() holds, asserting possible() (the scenario can still happen) meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline and possible()
+        time.sleep(0.001)
+
+
+def _serve_greedy(model, tok, specs, after=None, watch=None) -> tuple[list, bool]:
+    """An engine over greedy requests specs [(text, max new tokens)], submitted in turn; after(i, engine, reqs,
+    events), when given, runs once request i is in (to wait for what the next should find). -> (each request's
+    events, whether watch(engine) held at some poll while they finished)."""
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    engine = Engine(lambda: (model, tok)).start()
+    assert engine.ready.wait(30)
+    events, reqs = [[] for _ in specs], []
+    try:
+        for i, (text, n_tokens) in enumerate(specs):
+            req = Request([tok.encode(text)], [[]], [n_tokens], SamplingParams(temperature=0),
+                          [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
+            reqs.append(req)
+            engine.submit(req)
+            if after is not None:
+                after(i, engine, reqs, events)
+        seen = _wait_finished(reqs, lambda: watch is not None and watch(engine))
+    finally:
+        engine.stop()
+    return events, seen
+
+
 def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
     """A sequence running alone decodes through the compiled step; when a second request arrives, its state is
     written back and both continue batched. Greedy text equals the eager batched path's (compiled_decode off)."""
@@ -756,34 +789,23 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkey
     import lily_mlx.model as model_mod
     from lily_mlx import ops
     from lily_mlx.server import engine as eng
-    from lily_mlx.server.engine import Engine, Request
-    from lily_mlx.server.output import ChoiceOutput
-    from lily_mlx.server.schema import SamplingParams
 
     model, tok = lily_mlx.load(str(tiny_dir))
     texts = ["Foxes", "A longer prompt about the habits of dogs and", "Models serve", "Late arrival:"]
     lengths = [40, 28, 52, 20]
 
     def run():
-        engine = Engine(lambda: (model, tok)).start()
-        assert engine.ready.wait(30)
-        events, reqs, batched_seen = [[] for _ in texts], [], False
-        try:
-            for i, (t, n) in enumerate(zip(texts, lengths)):
-                if i == 3:  # the late one joins a running batch, stable (so compiled unless switched off)
-                    deadline = time.monotonic() + 30
-                    while not (len(engine._rows) == 3 and engine._stable > eng.STABLE_STEPS + 1):
-                        assert time.monotonic() < deadline and not all(r.finished for r in reqs)
-                        time.sleep(0.001)
-                    batched_seen = engine._batched is not None
-                req = Request([tok.encode(t)], [[]], [n], SamplingParams(temperature=0),
-                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
-                reqs.append(req)
-                engine.submit(req)
-            batched_seen = _wait_finished(reqs, lambda: engine._batched is not None) or batched_seen
-        finally:
-            engine.stop()
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events], batched_seen
+        batched_seen = []
+
+        def after(i, engine, reqs, events):
+            if i == 2:  # the late one joins a running batch, stable (so compiled unless switched off)
+                _wait_until(lambda: len(engine._rows) == 3 and engine._stable > eng.STABLE_STEPS + 1,
+                            lambda: not all(r.finished for r in reqs))
+                batched_seen.append(engine._batched is not None)
+
+        events, seen = _serve_greedy(model, tok, list(zip(texts, lengths)), after, lambda e: e._batched is not None)
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events], \
+            seen or batched_seen[0]
 
     assert eng.STABLE_STEPS < min(lengths) // 2
     compiled, seen = run()
@@ -811,12 +833,10 @@ def test_batch_trace_reuse_compiles_a_known_batch_at_its_first_step(tiny_dir, mo
     import lily_mlx
     from lily_mlx import ops
     from lily_mlx.server import engine as eng
-    from lily_mlx.server.engine import Engine, Request
-    from lily_mlx.server.output import ChoiceOutput
-    from lily_mlx.server.schema import SamplingParams
+    from lily_mlx.server.engine import Engine
 
     model, tok = lily_mlx.load(str(tiny_dir))
-    texts, lengths = ["Foxes and hounds", "Models serve", "Late arrival:"], [48, 12, 16]
+    specs = [("Foxes and hounds", 48), ("Models serve", 12), ("Late arrival:", 16)]
     steps = []  # (rows, steps since they changed, compiled) of each batched step
     real_step = Engine._step
 
@@ -828,25 +848,14 @@ def test_batch_trace_reuse_compiles_a_known_batch_at_its_first_step(tiny_dir, mo
 
     monkeypatch.setattr(Engine, "_step", step)
 
+    def after(i, engine, reqs, events):
+        if i == 1:  # the late one joins the first row, alone and compiled once the second has left
+            _wait_until(lambda: len(engine._rows) == 1 and engine._stable > eng.STABLE_STEPS + 1,
+                        lambda: not reqs[0].finished)
+
     def run():
         steps.clear()
-        engine = Engine(lambda: (model, tok)).start()
-        assert engine.ready.wait(30)
-        events, reqs = [[] for _ in texts], []
-        try:
-            for i, (t, n) in enumerate(zip(texts, lengths)):
-                if i == 2:  # the late one joins the first row, alone and compiled once the second has left
-                    deadline = time.monotonic() + 30
-                    while not (len(engine._rows) == 1 and engine._stable > eng.STABLE_STEPS + 1):
-                        assert time.monotonic() < deadline and not reqs[0].finished
-                        time.sleep(0.001)
-                req = Request([tok.encode(t)], [[]], [n], SamplingParams(temperature=0),
-                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
-                reqs.append(req)
-                engine.submit(req)
-            _wait_finished(reqs)
-        finally:
-            engine.stop()
+        events, _ = _serve_greedy(model, tok, specs, after)
         joined = steps.index(next(s for s in steps if s[0] == 1)) + 1  # the 2-row steps after the leave
         again = [s for s in steps[joined:] if s[0] == 2]
         return ["".join(str(e[2]) for e in ev if e[0] == "delta") for ev in events], again
@@ -961,9 +970,7 @@ def test_pipeline_runs_through_rows_joining_and_leaving(tiny_dir, monkeypatch):
     joined), and the text equals the unpipelined engine's."""
     import lily_mlx
     from lily_mlx import ops
-    from lily_mlx.server.engine import Engine, Request
-    from lily_mlx.server.output import ChoiceOutput
-    from lily_mlx.server.schema import SamplingParams
+    from lily_mlx.server.engine import Engine
 
     model, tok = lily_mlx.load(str(tiny_dir))
     specs = [("The long one, about foxes", 40), ("Joins, leaves first:", 9), ("Joins too, then leaves", 17)]
@@ -971,24 +978,12 @@ def test_pipeline_runs_through_rows_joining_and_leaving(tiny_dir, monkeypatch):
     real = Engine._inputs
     monkeypatch.setattr(Engine, "_inputs", lambda self, q: from_host.append(q is None) or real(self, q))
 
+    def after(i, engine, reqs, events):  # each joins the one running
+        _wait_until(lambda: sum(e[0] == "delta" for e in events[0]) >= 3 + 4 * i, lambda: not reqs[0].finished)
+
     def run():
         from_host.clear()
-        engine = Engine(lambda: (model, tok)).start()
-        assert engine.ready.wait(30)
-        events, reqs = [[] for _ in specs], []
-        try:
-            for i, (text, n_tokens) in enumerate(specs):
-                req = Request([tok.encode(text)], [[]], [n_tokens], SamplingParams(temperature=0),
-                              [ChoiceOutput(tok, [], chat=False)], events[i].extend, 60)
-                reqs.append(req)
-                engine.submit(req)
-                deadline = time.monotonic() + 30
-                while sum(e[0] == "delta" for e in events[0]) < 3 + 4 * i:  # each joins the one running
-                    assert time.monotonic() < deadline and not reqs[0].finished
-                    time.sleep(0.001)
-            _wait_finished(reqs)
-        finally:
-            engine.stop()
+        events, _ = _serve_greedy(model, tok, specs, after)
         return [[(e[0], *map(str, e[1:])) for e in ev] for ev in events], list(from_host)
 
     pipelined, host_inputs = run()
