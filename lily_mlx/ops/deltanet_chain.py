@@ -168,30 +168,41 @@ def step(x, norm, in_proj, conv_weight, conv_state, A_log, dt_bias, norm_weight,
     return ds.split_kept(out, 1, keep)
 
 
-def _instances(out: bool, alt: bool = False) -> list[kernels.Instance]:
+def _out_weight(out: bool, H: int, bits: int, heads: tuple) -> Optional[tuple]:
+    """With out (deltanet_chain_out), the output projection [H, Hv*Dv] of an instance: group 64 where Hv*Dv allows
+    it, else 32."""
+    return (H, bits, 64 if heads[1] * heads[3] % 64 == 0 else 32, mx.bfloat16) if out else None
+
+
+def _instances(out: bool) -> list[kernels.Instance]:
     """The 35B-A3B layer (2048 -> 12,352, group 64; output 4096 -> 2048) and the embedded models' heads, at decode
-    row buckets; the test shapes in float32 and bf16. alt: the _alt variant's (the resident loop's verify)."""
+    row buckets; the test shapes in float32 and bf16."""
     f32, bf16 = mx.float32, mx.bfloat16
-    # The output projection [H, Hv*Dv]: group 64 where Hv*Dv allows it, else 32.
-    o = lambda H, b, heads: (H, b, 64 if heads[1] * heads[3] % 64 == 0 else 32, bf16) if out else None
-    if alt:  # MTP's 2-token verify of the 35B layer and of the embedded model, and the emulated test's case
-        insts = [instance(bf16, bf16, bf16, 2, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
-                          o(2048, 4, heads), keep=True, alt=True) for heads in ds.MODEL_HEADS[:2]]
-        insts.append(instance(bf16, bf16, bf16, 8, 96, 4, 32, (bf16, f32, bf16, bf16), 1, 3, 64, 32, 4, False, 1e-6,
-                              1e-6, o(96, 4, (1, 3, 64, 32)), keep=True, alt=True))
-        return kernels.unique_instances(insts, key=kernels.source_key)
-    insts = [instance(t, bf16, t, M, 2048, 4, 64, (t, f32, t, t), *heads, 4, masked, 1e-6, 1e-6, o(2048, 4, heads))
+    insts = [instance(t, bf16, t, M, 2048, 4, 64, (t, f32, t, t), *heads, 4, masked, 1e-6, 1e-6,
+                      _out_weight(out, 2048, 4, heads))
              for heads in ds.MODEL_HEADS for M in (1, 2, 4, 8) for t in (bf16, f32) for masked in (False, True)]
     insts += [instance(bf16, bf16, bf16, 1, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
-                       o(2048, 4, heads), prefetch=True) for heads in ds.MODEL_HEADS]  # chain_prefetch's
-    insts += [instance(t, bf16, t, M, K, b, g, (t, f32, t, t), *heads, 4, False, 1e-6, 1e-5, o(K, b, heads))
+                       _out_weight(out, 2048, 4, heads), prefetch=True) for heads in ds.MODEL_HEADS]  # chain_prefetch's
+    insts += [instance(t, bf16, t, M, K, b, g, (t, f32, t, t), *heads, 4, False, 1e-6, 1e-5,
+                       _out_weight(out, K, b, heads))
               for heads in ds.TEST_HEADS[:2] for M in (1, 4) for t in (bf16, f32) for K, b, g in ((96, 4, 32), (256, 8, 64))
               if not out or heads[1] * heads[3] % 32 == 0]
     # KEEP: MTP's 2-token verify of the 35B layer, and the emulated test's case
     insts += [instance(bf16, bf16, bf16, 2, 2048, 4, 64, (bf16, f32, bf16, bf16), *ds.MODEL_HEADS[0], 4, False, 1e-6,
-                       1e-6, o(2048, 4, ds.MODEL_HEADS[0]), keep=True),
+                       1e-6, _out_weight(out, 2048, 4, ds.MODEL_HEADS[0]), keep=True),
               instance(bf16, bf16, bf16, 8, 96, 4, 32, (bf16, f32, bf16, bf16), 1, 3, 64, 32, 4, False, 1e-6, 1e-6,
-                       o(96, 4, (1, 3, 64, 32)), keep=True)]
+                       _out_weight(out, 96, 4, (1, 3, 64, 32)), keep=True)]
+    return kernels.unique_instances(insts, key=kernels.source_key)
+
+
+def _alt_instances(out: bool) -> list[kernels.Instance]:
+    """The _alt variants': MTP's 2-token verify of the 35B layer and of the embedded model, and the emulated test's
+    case, each with KEEP."""
+    f32, bf16 = mx.float32, mx.bfloat16
+    insts = [instance(bf16, bf16, bf16, 2, 2048, 4, 64, (bf16, f32, bf16, bf16), *heads, 4, False, 1e-6, 1e-6,
+                      _out_weight(out, 2048, 4, heads), keep=True, alt=True) for heads in ds.MODEL_HEADS[:2]]
+    insts.append(instance(bf16, bf16, bf16, 8, 96, 4, 32, (bf16, f32, bf16, bf16), 1, 3, 64, 32, 4, False, 1e-6, 1e-6,
+                          _out_weight(out, 96, 4, (1, 3, 64, 32)), keep=True, alt=True))
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
@@ -224,8 +235,8 @@ OUT_SPEC = kernels.register_spec(kernels.KernelSpec(
     cuda_launch_bounds=(32 * ds.MAX_WARPS,), cuda_max_registers=_register_cap,
     weights=(("w", "scales", "biases"), ("wo", "so", "bo")), bundle=_BUNDLE + ("wo",),
 ))
-ALT_SPEC = ds.alt_spec(SPEC, lambda: _instances(False, alt=True))
-OUT_ALT_SPEC = ds.alt_spec(OUT_SPEC, lambda: _instances(True, alt=True))
+ALT_SPEC = ds.alt_spec(SPEC, lambda: _alt_instances(False))
+OUT_ALT_SPEC = ds.alt_spec(OUT_SPEC, lambda: _alt_instances(True))
 
 
 def _dispatch(x, *args, keep: bool = False, **kwargs):

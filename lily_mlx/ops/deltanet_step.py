@@ -179,7 +179,7 @@ MODEL_HEADS = ((16, 32, 128, 128), (2, 4, 32, 48), (2, 4, 16, 24))
 TEST_HEADS = ((1, 3, 64, 32), (2, 6, 48, 40), (1, 2, 256, 256), (2, 4, 256, 32), (1, 1, 32, 256))
 
 
-def _instances(alt: bool) -> list[kernels.Instance]:
+def _instances() -> list[kernels.Instance]:
     f32, bf16, f16 = mx.float32, mx.bfloat16, mx.float16
     eps = 1e-6
     combos = []
@@ -191,14 +191,6 @@ def _instances(alt: bool) -> list[kernels.Instance]:
     for heads in TEST_HEADS:
         combos += [(f32, f32, f32, f32, f32, 3, *heads, 4, False, eps), (bf16, f32, bf16, f32, bf16, 3, *heads, 4, True, 1e-5)]
     combos.append((bf16, bf16, bf16, bf16, bf16, 3, 1, 3, 64, 32, 2, True, eps))  # conv width 2
-    if alt:  # the resident loop's verify (KEEP too) at the models' heads, and the emulated tests' cases
-        insts = [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True, alt=True)
-                 for heads in MODEL_HEADS]
-        insts += [instance(f32, f32, f32, f32, f32, 1, 2, 4, 32, 48, 4, False, eps, keep=True, alt=True),
-                  instance(bf16, bf16, f32, bf16, bf16, 3, 1, 3, 64, 32, 4, True, eps, alt=True),
-                  instance(f32, bf16, f32, f32, f32, 2, 2, 4, 16, 24, 2, False, eps, {"WARPS": 2, "RB": 3}, keep=True,
-                           alt=True)]
-        return kernels.unique_instances(insts, key=kernels.source_key)
     insts = [instance(*c) for c in combos]
     # KEEP (a verify's states before its last token): the models' heads, and the emulated tests' heads
     insts += [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True) for heads in MODEL_HEADS]
@@ -208,12 +200,23 @@ def _instances(alt: bool) -> list[kernels.Instance]:
     return kernels.unique_instances(insts, key=kernels.source_key)
 
 
+def _alt_instances() -> list[kernels.Instance]:
+    """The _alt variant's: the resident loop's verify (KEEP too) at the models' heads, and the emulated tests' cases."""
+    f32, bf16, eps = mx.float32, mx.bfloat16, 1e-6
+    insts = [instance(bf16, bf16, f32, bf16, bf16, 1, *heads, 4, False, eps, keep=True, alt=True) for heads in MODEL_HEADS]
+    insts += [instance(f32, f32, f32, f32, f32, 1, 2, 4, 32, 48, 4, False, eps, keep=True, alt=True),
+              instance(bf16, bf16, f32, bf16, bf16, 3, 1, 3, 64, 32, 4, True, eps, alt=True),
+              instance(f32, bf16, f32, f32, f32, 2, 2, 4, 16, 24, 2, False, eps, {"WARPS": 2, "RB": 3}, keep=True,
+                       alt=True)]
+    return kernels.unique_instances(insts, key=kernels.source_key)
+
+
 SPEC = kernels.register_spec(kernels.KernelSpec(
     name="deltanet_step", body="deltanet_step.inc",
     input_names=("proj", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state", "mask"),
     output_names=("out", "conv_state_out", "state_out"), template_params=SPEC_PARAMS,
     description="Gated DeltaNet decode step (conv, norms, gates, state update, gated RMSNorm) in one launch",
-    instances=lambda: _instances(False), cuda_launch_bounds=(32 * MAX_WARPS, 2),
+    instances=_instances, cuda_launch_bounds=(32 * MAX_WARPS, 2),
 ))
 ALT = "_alt"  # the variant's suffix
 ALT_INPUTS = ("conv_state_alt", "state_alt", "use_alt")
@@ -229,7 +232,7 @@ def alt_spec(spec: kernels.KernelSpec, instances) -> kernels.KernelSpec:
         description=spec.description + "; its states picked on the GPU from two pairs"))
 
 
-ALT_SPEC = alt_spec(SPEC, lambda: _instances(True))
+ALT_SPEC = alt_spec(SPEC, _alt_instances)
 
 
 def _dispatch(*args, **kwargs):
