@@ -214,8 +214,8 @@ def test_deltanet_step_metal_emulated_matches_reference(tmp_path):
             tok, params, alt = case.token(c, step), case.params(c), case.alt_inputs(c, step)
             out_shapes = [(case.B, case.tokens, case.Hv * case.Dv), ds.kept_shape((case.B, case.W - 1, case.C), case.keep),
                           ds.kept_shape((case.B, case.Hv, case.Dv, case.Dk), case.keep)]
-            emu.add(ds.ALT_SPEC if case.alt else ds.SPEC, inst, _arrays(case, tok, params, *states[c], alt), (case.B * case.Hv * threads, 1, 1),
-                    (threads, 1, 1), out_shapes)
+            emu.add(ds.ALT_SPEC if case.alt else ds.SPEC, inst, _arrays(case, tok, params, *states[c], alt),
+                    (case.B * case.Hv * threads, 1, 1), (threads, 1, 1), out_shapes)
             inputs.append((tok, params, alt))
         for c, (got, (tok, params, alt)) in enumerate(zip(emu.run(), inputs)):
             case = EMULATED[c]
