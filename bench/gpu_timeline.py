@@ -107,10 +107,10 @@ def stepper(model, context: int, steps: int, vocab: int, tokens: int = 1, batch:
     """step(tokens [batch, 1]) -> logits [batch, V] over a cache prefilled with `context` tokens, with room for
     `steps` steps and more: the compiled decode step at one token and one row; MTP's compiled verify forward
     (lily_mlx.speculative) over `tokens` new tokens, fed the one token `tokens` times; at `batch` rows, the server's
-    batch of that many copies of the prompt (CompiledBatchDecoder, its stable batch; eager without compiled_decode)."""
+    batch of that many copies of the prompt (SlotBatchDecoder, every slot taken; eager without compiled_decode)."""
     import mlx.core as mx
 
-    from lily_mlx.decode import CompiledBatchDecoder, CompiledDecoder, CompiledVerifier
+    from lily_mlx.decode import CompiledDecoder, CompiledVerifier, SlotBatchDecoder
     from lily_mlx.server.engine import _as_batch
 
     from .profile_decode import prefilled_cache
@@ -119,9 +119,12 @@ def stepper(model, context: int, steps: int, vocab: int, tokens: int = 1, batch:
         raise SystemExit("gpu_timeline: --batch times the decode step (one token), not MTP's verify")
     cache = prefilled_cache(model, context, vocab)
     if batch > 1:
+        if SlotBatchDecoder.applicable(model, cache):
+            slots = SlotBatchDecoder(model, cache, batch)
+            for _ in range(batch):
+                slots.join(cache)
+            return slots
         cache = _as_batch(cache, batch)
-        if CompiledBatchDecoder.applicable(model, cache):
-            return CompiledBatchDecoder(model, cache, reserve=2 * steps + 16)
         return lambda tok: model(tok, cache=cache)[:, -1, :]
     if tokens == 1:
         return CompiledDecoder(model, cache, reserve=2 * steps + 16)

@@ -345,50 +345,115 @@ class CompiledDrafter:
         self.offset = snapshot
 
 
-class CompiledBatchDecoder:
-    """Decode steps of B rows held in mlx-lm's BatchKVCache (left-padded) and ArraysCache, compiled like
-    CompiledDecoder: the rows' K/V at a fixed capacity, each step writing column `idx` and attending through
-    a [B, 1, 1, capacity] mask. `decoder(tokens [B, 1]) -> logits [B, V]`; `write_back()` returns the state
-    to the cache objects (before rows are added or removed)."""
+class SlotBatchDecoder:
+    """Decode steps of a batch of `slots` rows (a kernel row bucket), compiled like CompiledDecoder and traced once a
+    (slots, capacity): a sequence joins a free slot, its prefilled cache (KVCache / ArraysCache) copied in, and leaves
+    by freeing it, so rows come and go without a trace, an eager step or a copy of the other rows. Every slot runs
+    each step; a free slot's output is not read. The rows share the K/V column `idx` a step writes: slot s holds its
+    tokens in columns [left_padding[s], idx) and RoPE-positions at offset[s] (its token count).
+    `decoder(tokens [slots, 1]) -> logits [slots, V]`."""
 
-    def __init__(self, model, cache: List[Any], reserve: int = STEP):
-        self.model, self.cache = model, cache
+    def __init__(self, model, layout: List[Any], slots: int):
+        """layout: a sequence's prefilled cache, for the shapes (it does not join)."""
+        self.model = model
         model.fuse_projections(ops.enabled("packed_weights"))
-        self.kv_index = [i for i, c in enumerate(cache) if isinstance(c, BatchKVCache)]
-        self.state_index = [i for i, c in enumerate(cache) if isinstance(c, ArraysCache)]
-        first = cache[self.kv_index[0]]
-        self.idx, self.left_padding, self.offset = first._idx, first.left_padding.astype(mx.int32), first.offset
-        capacity = self.traced_shape(cache, reserve)[1]
-        self.kv = [(_pad_to(cache[i].keys[..., : self.idx, :], capacity),
-                    _pad_to(cache[i].values[..., : self.idx, :], capacity)) for i in self.kv_index]
-        for i in self.kv_index:  # the rows live here until write_back: one copy of the K/V in memory, not two
-            cache[i].keys = cache[i].values = None
-        self.states = [(cache[i][0], cache[i][1]) for i in self.state_index]
-        self._fn = _shared_step(model, len(cache), self.kv_index, self.state_index, "batch")
+        self.n_cache = len(layout)
+        self.kv_index = [i for i, c in enumerate(layout) if type(c) is KVCache]
+        self.state_index = [i for i, c in enumerate(layout) if type(c) is ArraysCache]
+        self.idx = layout[self.kv_index[0]].offset
+        capacity = _round_up(self.idx + STEP)
+        self.kv = [(_empty_rows(layout[i].keys, slots, capacity), _empty_rows(layout[i].values, slots, capacity))
+                   for i in self.kv_index]
+        self.states = [(_empty_rows(layout[i][0], slots), _empty_rows(layout[i][1], slots)) for i in self.state_index]
+        self.start = [self.idx] * slots  # left_padding on the host; a free slot sees its own columns only
+        self.left_padding = mx.array(self.start, dtype=mx.int32)
+        self.offset = mx.zeros((slots,), dtype=mx.int32)
+        self.free = list(range(slots))
+        self._fn = _shared_step(model, self.n_cache, self.kv_index, self.state_index, "batch")
 
-    @staticmethod
-    def traced_shape(cache: List[Any], reserve: int = STEP) -> Optional[tuple[int, int]]:
-        """(rows, K/V capacity) of the step a decoder over `cache` runs first (None while it holds no K/V):
-        mx.compile traces it once a shape, so the capacity is rounded up to a STEP, as CompiledDecoder's, for later
-        batches to reuse the trace."""
-        first = next((c for c in cache if isinstance(c, BatchKVCache)), None)
-        if first is None or first.keys is None:
-            return None
-        return first.keys.shape[0], _round_up(max(first.keys.shape[2], first._idx + reserve))
+    @property
+    def slots(self) -> int:
+        return len(self.start)
 
     @staticmethod
     def applicable(model, cache: List[Any]) -> bool:
-        from .model import Model
+        """Whether a decoder can be laid out from this sequence cache (CompiledDecoder's conditions, and K/V layers)."""
+        return CompiledDecoder.applicable(model, cache) and any(type(c) is KVCache for c in cache)
 
-        if not isinstance(model, Model) or not ops.enabled("compiled_decode"):
-            return False
-        kv = [c for c in cache if type(c) is BatchKVCache]
-        states = [c for c in cache if type(c) is ArraysCache]
-        if not kv or len(kv) + len(states) != len(cache) or any(c.keys is None for c in kv):
-            return False
-        same_rows = all(c._idx == kv[0]._idx and mx.array_equal(c.left_padding, kv[0].left_padding).item() for c in kv)
-        return same_rows and all(c[0] is not None and c[1] is not None and c.lengths is None and c.left_padding is None
-                                 for c in states)
+    def join(self, cache: List[Any]) -> int:
+        """A sequence's cache (the model's make_cache() layout, prefilled or empty) copied into the lowest free slot
+        -> that slot. A sequence longer than `idx` moves every row right first."""
+        if not self.free:
+            raise ValueError(f"all {self.slots} slots are taken: grow() before join()")
+        if [i for i, c in enumerate(cache) if type(c) is KVCache] != self.kv_index or \
+                [i for i, c in enumerate(cache) if type(c) is ArraysCache] != self.state_index:
+            raise ValueError("the joining cache's layers are not this decoder's (KVCache / ArraysCache per layer)")
+        length = cache[self.kv_index[0]].offset
+        if length > self.idx:
+            self._shift(length - self.idx)
+        s, start = self.free.pop(0), self.idx - length
+        for j, i in enumerate(self.kv_index):
+            k, v = self.kv[j]
+            if length:
+                k[s:s + 1, :, start:self.idx] = cache[i].keys[..., :length, :]
+                v[s:s + 1, :, start:self.idx] = cache[i].values[..., :length, :]
+        for j, i in enumerate(self.state_index):
+            for arr, new in zip(self.states[j], cache[i].cache):  # None: a sequence not prefilled starts from zeros
+                arr[s:s + 1] = 0 if new is None else new
+        self.start[s] = start
+        self.left_padding[s] = start
+        self.offset[s] = length
+        return s
+
+    def leave(self, slot: int) -> None:
+        self.free = sorted(self.free + [slot])
+
+    def grow(self, slots: int) -> None:
+        """Free slots added up to `slots` (the arrays copied once; a new shape traces once)."""
+        extra = slots - self.slots
+        more = lambda a: mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), dtype=a.dtype)])  # noqa: E731
+        self.kv = [(more(k), more(v)) for k, v in self.kv]
+        self.states = [(more(c), more(s)) for c, s in self.states]
+        self.free += list(range(self.slots, slots))
+        self.start += [self.idx] * extra
+        self.left_padding = mx.array(self.start, dtype=mx.int32)
+        self.offset = more(self.offset)
+
+    def compact(self, slots: int) -> dict[int, int]:
+        """The taken slots moved to the first ones of a batch of `slots` -> {old slot: new slot}."""
+        taken = [s for s in range(self.slots) if s not in self.free]
+        if len(taken) > slots:
+            raise ValueError(f"{len(taken)} rows do not fit {slots} slots")
+        picked = taken + self.free[:slots - len(taken)]
+        at = mx.array(picked)
+        self.kv = [(k[at], v[at]) for k, v in self.kv]
+        self.states = [(c[at], s[at]) for c, s in self.states]
+        self.start = [self.start[s] for s in picked]
+        self.left_padding, self.offset = self.left_padding[at], self.offset[at]
+        self.free = list(range(len(taken), slots))
+        return {old: new for new, old in enumerate(taken)}
+
+    def sequence_cache(self, slot: int) -> List[Any]:
+        """A slot's row as a sequence cache (KVCache / ArraysCache per layer), e.g. to go on in a CompiledDecoder."""
+        cache: List[Any] = [None] * self.n_cache
+        for (k, v), i in zip(self.kv, self.kv_index):
+            c = cache[i] = KVCache()
+            c.keys, c.values = k[slot:slot + 1, :, self.start[slot]:self.idx], v[slot:slot + 1, :, self.start[slot]:self.idx]
+            c.offset = self.idx - self.start[slot]
+        for (conv, state), i in zip(self.states, self.state_index):
+            c = cache[i] = ArraysCache(2)
+            c[0], c[1] = conv[slot:slot + 1], state[slot:slot + 1]
+        return cache
+
+    def _shift(self, columns: int) -> None:
+        """Every row `columns` to the right (a longer sequence joins): K/V, left_padding and idx."""
+        capacity = _round_up(self.idx + columns + STEP)
+        moved = lambda a: _pad_to(mx.concatenate(  # noqa: E731
+            [mx.zeros((*a.shape[:2], columns, a.shape[3]), dtype=a.dtype), a[..., :self.idx, :]], axis=2), capacity)
+        self.kv = [(moved(k), moved(v)) for k, v in self.kv]
+        self.idx += columns
+        self.start = [s + columns for s in self.start]
+        self.left_padding = mx.array(self.start, dtype=mx.int32)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if self.idx + tokens.shape[1] > self.kv[0][0].shape[2]:
@@ -401,12 +466,11 @@ class CompiledBatchDecoder:
         self.idx += tokens.shape[1]
         return out[0]
 
-    def write_back(self) -> None:
-        for (k, v), i in zip(self.kv, self.kv_index):
-            c = self.cache[i]
-            c.keys, c.values, c._idx, c.offset = k, v, self.idx, self.offset
-        for (conv, state), i in zip(self.states, self.state_index):
-            self.cache[i][0], self.cache[i][1] = conv, state
+
+def _empty_rows(like: mx.array, rows: int, capacity: Optional[int] = None) -> mx.array:
+    """zeros of `like`'s shape with `rows` rows ([B, H, T, D] K/V: and `capacity` columns)."""
+    shape = (rows, *like.shape[1:]) if capacity is None else (rows, like.shape[1], capacity, like.shape[3])
+    return mx.zeros(shape, dtype=like.dtype)
 
 
 def _flatten(kv, states) -> list:

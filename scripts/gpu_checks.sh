@@ -328,12 +328,8 @@ for disable in "" server_pipeline; do
     -m bench.serve_load --model "$model" --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
     --json "$res/serve_pipeline${disable:+_off}.json"
 done
-# batch_trace_reuse (opt-in): a batch whose rows and capacity were compiled before compiles at its first step.
-step 120 150 "server at 1 and 8 clients, batch_trace_reuse on" env LILY_MLX_ENABLE=batch_trace_reuse python3 \
-  -m bench.serve_load --model "$model" --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
-  --json "$res/serve_pipeline_trace_reuse.json"
-# The server's 8-row decode step on the GPU's timeline, compiled (a stable batch) and eager (rows just changed): 8
-# clients decoded 330 tok/s in all (H100 run 88), ~41 a sequence, against ~470 for one.
+# The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8
+# clients decoded 336 tok/s in all (H100 run 89, before the slots), ~55 a sequence, against ~480 for one.
 for disable in "" compiled_decode; do
   step 60 120 "the server's 8-row step on the GPU's timeline${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --batch 8 --json "$res/timeline_batch8${disable:+_eager}.json"

@@ -167,6 +167,71 @@ def test_prefill_with_query_blocked_attention_equals_one_block(tiny_checkpoints,
     assert float(mx.abs(got - want).max() / mx.abs(want).max()) <= 1e-5
 
 
+def test_slot_batch_rows_decode_as_they_would_alone(tiny_checkpoints, monkeypatch):
+    """SlotBatchDecoder: sequences of different lengths (one not prefilled) join free slots, a longer one moving every
+    row right, the slots grow, rows leave, the batch compacts and crosses a capacity, and a row goes on alone in a
+    CompiledDecoder: each row's logits at every step are the eager model's for that sequence alone, and joins and
+    leaves trace nothing (one trace per slots and capacity)."""
+    import lily_mlx.decode as decode
+    from lily_mlx.decode import SlotBatchDecoder
+
+    monkeypatch.setattr(decode, "STEP", 8)  # capacities of 8 columns: the rows cross several
+    traced, real_step = [], decode._batch_step
+    monkeypatch.setattr(decode, "_batch_step", lambda *a: traced.append(1) or real_step(*a))
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])
+    rng = np.random.default_rng(3)
+    prompts = {"a": 5, "b": 12, "c": 3, "d": 1}  # d: a one-token prompt, nothing prefilled
+    eager, joining = {}, {}
+    for name, n in prompts.items():
+        prompt = mx.array([rng.integers(0, 512, size=n - 1).tolist()])
+        eager[name], joining[name] = model.make_cache(), model.make_cache()
+        if n > 1:
+            model(prompt, cache=eager[name])
+            model(prompt, cache=joining[name])
+    slots = SlotBatchDecoder(model, joining["a"], 2)
+    at = {"a": slots.join(joining["a"])}
+    shapes, worst = set(), 0.0
+
+    def steps(n):
+        nonlocal worst
+        for _ in range(n):
+            toks = {name: int(t) for name, t in zip(at, rng.integers(0, 512, size=len(at)))}
+            x = [[0] for _ in range(slots.slots)]
+            for name, s in at.items():
+                x[s] = [toks[name]]
+            shapes.add((slots.slots, slots.kv[0][0].shape[2]))
+            got = slots(mx.array(x))
+            for name, s in at.items():
+                want = model(mx.array([[toks[name]]]), cache=eager[name])[0, -1]
+                worst = max(worst, float(mx.abs(got[s] - want).max() / mx.abs(want).max()))
+
+    steps(2)
+    at["b"] = slots.join(joining["b"])  # 11 cached tokens against idx 6: every row moves right
+    assert at == {"a": 0, "b": 1} and slots.idx == 11 and slots.start[0] == 5
+    steps(2)
+    slots.grow(4)
+    at["c"], at["d"] = slots.join(joining["c"]), slots.join(joining["d"])
+    assert (at["c"], at["d"], slots.start[3]) == (2, 3, slots.idx)
+    steps(3)
+    for name in ("a", "c"):
+        slots.leave(at.pop(name))
+    steps(1)
+    moved = slots.compact(2)
+    at = {name: moved[s] for name, s in at.items()}
+    assert sorted(at.values()) == [0, 1] and slots.slots == 2
+    steps(12)  # past the capacity of 24 columns
+    assert worst <= 3e-5
+    assert len(traced) == len(shapes) and len(shapes) >= 4
+    alone = slots.sequence_cache(at["b"])
+    dec = CompiledDecoder(model, alone, reserve=8)
+    x = mx.array([[42]])
+    want = model(x, cache=eager["b"])[:, -1, :]
+    assert alone[3].offset == eager["b"][3].offset - 1
+    assert float(mx.abs(dec(x) - want).max() / mx.abs(want).max()) <= 3e-5
+    with pytest.raises(ValueError, match="slots are taken"):
+        slots.join(joining["a"])
+
+
 @SWITCHES
 def test_stacked_kv_steps_equal_eager_steps_and_write_back(scatter, scalars):
     """stacked_kv: the attention layers' caches as planes of one [P*B, Hkv, capacity, D] buffer, the step writing

@@ -781,37 +781,48 @@ def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
     assert compiled == eager
 
 
-def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkeypatch):
-    """Three requests of different prompt lengths and lengths of output: once their rows are stable the batch
-    decodes compiled (CompiledBatchDecoder); rows leaving and a late one joining write the state back. The
-    greedy text equals the eager batched path's (compiled_decode off)."""
+def test_slot_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkeypatch):
+    """Four requests of different prompt lengths and lengths of output: the first decodes alone, the next join it in
+    a SlotBatchDecoder (grown from 2 slots to 4, a longer prompt moving the rows right), rows leave (the slots
+    compact) and the last goes on alone again. Every step is compiled, joins and leaves trace nothing (one trace a
+    slot count and capacity), and the greedy text equals the eager batched path's (compiled_decode off)."""
     import lily_mlx
+    import lily_mlx.decode as decode
     import lily_mlx.model as model_mod
     from lily_mlx import ops
-    from lily_mlx.server import engine as eng
+    from lily_mlx.server.engine import Engine
 
     model, tok = lily_mlx.load(str(tiny_dir))
-    texts = ["Foxes", "A longer prompt about the habits of dogs and", "Models serve", "Late arrival:"]
-    lengths = [40, 28, 52, 20]
+    specs = [("Foxes", 64), ("A longer prompt about the habits of dogs and", 28), ("Models serve", 40),
+             ("Late arrival:", 20)]
+    modes, shapes, traced = [], set(), []  # each step's (rows, mode); the slot batches' (slots, capacity); traces
+    real_step, real_trace = Engine._step, decode._batch_step
+
+    def step(self, inputs):
+        if self._slots is not None:
+            shapes.add((self._slots.slots, self._slots.kv[0][0].shape[2]))
+        modes.append((len(self._rows), "solo" if self._solo else "slots" if self._slots else "eager"))
+        return real_step(self, inputs)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    monkeypatch.setattr(decode, "_batch_step", lambda *a: traced.append(1) or real_trace(*a))
+
+    def after(i, engine, reqs, events):
+        if i < 3:  # the next one joins a batch that decodes (the first alone)
+            _wait_until(lambda: sum(e[0] == "delta" for e in events[i]) >= 2, lambda: not reqs[i].finished)
 
     def run():
-        batched_seen = []
+        modes.clear()
+        events, _ = _serve_greedy(model, tok, specs, after)
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
 
-        def after(i, engine, reqs, events):
-            if i == 2:  # the late one joins a running batch, stable (so compiled unless switched off)
-                _wait_until(lambda: len(engine._rows) == 3 and engine._stable > eng.STABLE_STEPS + 1,
-                            lambda: not all(r.finished for r in reqs))
-                batched_seen.append(engine._batched is not None)
-
-        events, seen = _serve_greedy(model, tok, list(zip(texts, lengths)), after, lambda e: e._batched is not None)
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events], \
-            seen or batched_seen[0]
-
-    assert eng.STABLE_STEPS < min(lengths) // 2
-    compiled, seen = run()
+    compiled = run()
+    assert {m for _, m in modes} == {"solo", "slots"}, modes
+    assert modes[0] == (1, "solo") and modes[-1] == (1, "solo")
+    assert (4, "slots") in modes and len(traced) == len(shapes) and {s for s, _ in shapes} >= {2, 4}
     with ops.disabled("compiled_decode"):
-        eager, seen_off = run()
-    assert seen and not seen_off
+        eager = run()
+    assert {m for _, m in modes} == {"eager"}
     assert compiled == eager
     # batched_attn_decode (opt-in): the left-padded rows' attention through ops.attention_decode (each row from
     # its first column, at its own RoPE position), compiled and eager, gives the same text.
@@ -820,55 +831,10 @@ def test_stable_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkey
     monkeypatch.setattr(model_mod.ops, "attention_decode",
                         lambda *a, **k: rows_taken.append(k.get("row_start") is not None) or real(*a, **k))
     with ops.switched("batched_attn_decode", True):
-        assert run()[0] == compiled
+        assert run() == compiled
         with ops.disabled("compiled_decode"):
-            assert run()[0] == compiled
+            assert run() == compiled
     assert any(rows_taken), "no batched row went through ops.attention_decode"
-
-
-def test_batch_trace_reuse_compiles_a_known_batch_at_its_first_step(tiny_dir, monkeypatch):
-    """Switch batch_trace_reuse: two rows decode compiled (after STABLE_STEPS), one leaves, and a late request makes
-    two rows again at the same capacity: that batch compiles at its first step, where without the switch it decodes
-    STABLE_STEPS eager steps first. The greedy text is the same either way, and the eager path's."""
-    import lily_mlx
-    from lily_mlx import ops
-    from lily_mlx.server import engine as eng
-    from lily_mlx.server.engine import Engine
-
-    model, tok = lily_mlx.load(str(tiny_dir))
-    specs = [("Foxes and hounds", 48), ("Models serve", 12), ("Late arrival:", 16)]
-    steps = []  # (rows, steps since they changed, compiled) of each batched step
-    real_step = Engine._step
-
-    def step(self, inputs):
-        out = real_step(self, inputs)
-        if self._solo is None:
-            steps.append((len(self._rows), self._stable, self._batched is not None))
-        return out
-
-    monkeypatch.setattr(Engine, "_step", step)
-
-    def after(i, engine, reqs, events):
-        if i == 1:  # the late one joins the first row, alone and compiled once the second has left
-            _wait_until(lambda: len(engine._rows) == 1 and engine._stable > eng.STABLE_STEPS + 1,
-                        lambda: not reqs[0].finished)
-
-    def run():
-        steps.clear()
-        events, _ = _serve_greedy(model, tok, specs, after)
-        joined = steps.index(next(s for s in steps if s[0] == 1)) + 1  # the 2-row steps after the leave
-        again = [s for s in steps[joined:] if s[0] == 2]
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") for ev in events], again
-
-    assert not ops.enabled("batch_trace_reuse")
-    text_off, again_off = run()
-    with ops.switched("batch_trace_reuse", True):
-        text_on, again_on = run()
-    with ops.disabled("compiled_decode"):
-        text_eager, _ = run()
-    assert again_on[0] == (2, 1, True), again_on[:3]  # compiled at once: its shape was traced
-    assert [c for _, _, c in again_off[:eng.STABLE_STEPS + 1]] == [False] * eng.STABLE_STEPS + [True], again_off[:6]
-    assert text_on == text_off == text_eager
 
 
 def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
@@ -886,6 +852,7 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     monkeypatch.setattr(type(model), "__call__", lambda self, x, *a, **k: (rows.append(x.shape[0]), call(self, x, *a, **k))[1])
 
     def run(warmup, max_batch):
+        model, _ = lily_mlx.load(str(tiny_dir))  # its own: a model's compiled steps are traced once, then shared
         rows.clear()
         engine = Engine(lambda: (model, tok), max_batch=max_batch, warmup=warmup).start()
         try:
@@ -906,7 +873,7 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     with caplog.at_level(logging.INFO, logger="lily_mlx.server"):
         warm3, text3 = run(True, 3)
         warm32, _ = run(True, 32)
-    assert warm3 == [1, 2, 3] and warm32 == [1, 2, 4, 8]  # 3 rows run the 4-row build; past 8 no kernel applies
+    assert warm3 == [1, 2, 4] and warm32 == [1, 2, 4, 8]  # 3 rows run in 4 slots; past 8 no kernel applies
     assert any("warm-up: decode steps of 1 to 3 rows" in r.getMessage() for r in caplog.records)
     cold, text = run(False, 3)
     assert cold == [] and text3 == text and text

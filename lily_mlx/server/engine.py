@@ -5,10 +5,10 @@ of the queue (batch 1, resuming from the prefix cache), then one decode step of 
 sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and ArraysCache
 (DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice. A
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
-own prompt cache; a second arrival writes that state back and the rows continue batched. A batch whose
-rows have not changed for STABLE_STEPS steps decodes compiled too (CompiledBatchDecoder), until the next
-row joins or leaves; with switch batch_trace_reuse (opt-in) at once where a batch of the same rows and
-capacity was compiled before. Decode steps are pipelined (switch `server_pipeline`): the next step is queued on the GPU,
+own prompt cache; a second arrival moves it into a batch of fixed row slots (SlotBatchDecoder, compiled,
+traced once a slot count and capacity) that rows join and leave by slot; the slots shrink to the row bucket
+the rows need and back to the compiled single step when one row is left. Without compiled_decode the rows
+decode eagerly over mlx-lm's BatchKVCache / ArraysCache. Decode steps are pipelined (switch `server_pipeline`): the next step is queued on the GPU,
 fed the tokens the host has not read yet, before the host reads, detokenizes and streams the last step's; rows
 joining and leaving keep the pipeline going.
 A failing request is answered with an error and dropped; if the loop itself fails, every open
@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
-from ..decode import CompiledBatchDecoder, CompiledDecoder
+from ..decode import CompiledDecoder, SlotBatchDecoder
 from ..memory import bounded_prefill
 from .. import ops
 from ..ops import DECODE_KERNEL_ROWS
@@ -48,12 +48,6 @@ from .prefix_cache import PrefixCache, restore, snapshot
 from .schema import APIError, BadRequest, SamplingParams
 
 log = logging.getLogger("lily_mlx.server")
-# Steps a batch must keep its rows before it is compiled: each new batch size traces the 40-layer graph once
-# (then reused), and copying the rows' caches into a decoder is wasted on a batch about to change.
-STABLE_STEPS = 4
-ops.register_switch("batch_trace_reuse", "the server compiles a batch at its first step when it has compiled one of the same "
-                    "rows and capacity before (the trace is reused), instead of after STABLE_STEPS eager steps",
-                    default_on=False)
 ops.register_switch("server_pipeline", "the server queues each decode step before it reads the last step's tokens, so "
                     "the host's reading and streaming overlap the GPU's work")
 
@@ -137,6 +131,7 @@ class Row:
     processors: list
     bias: Optional[mx.array]  # dense logit_bias [V], added to the whole batch at once
     generated: list[int] = field(default_factory=list)
+    slot: Optional[int] = None  # the row's slot in the engine's SlotBatchDecoder
     # What the processors read, on the GPU: the prompt's last `history_prompt` tokens, then every sampled token, the
     # ones the host has not read yet included (so a pipelined step's processors see the step before it).
     history: Optional[mx.array] = None
@@ -222,9 +217,7 @@ class Engine:
         self._rows: list[Row] = []
         self._cache: Optional[list] = None
         self._solo: Optional[CompiledDecoder] = None  # the compiled step of a sequence running alone, over _cache
-        self._batched: Optional[CompiledBatchDecoder] = None  # the compiled step of a stable batch, over _cache
-        self._stable = 0  # decode steps since the rows last changed
-        self._traced: set[tuple[int, int]] = set()  # (rows, capacity) of the batches compiled so far
+        self._slots: Optional[SlotBatchDecoder] = None  # the compiled step of several rows (then _cache is None)
         self._bias: Optional[mx.array] = None  # [B, V] logit_bias of the current rows; rebuilt when rows change
         self._queued: Optional[QueuedStep] = None  # the next step, queued before the last one was read (pipelined)
         self._live: dict[str, Request] = {}  # every admitted, unfinished request: what a dying loop must answer
@@ -296,8 +289,8 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Runs the decode step of every kernel row bucket up to --max-batch once, as the loop will run it, so the
-        GPU kernels' JIT builds (seconds each on a machine without MLX's kernel cache) happen before /health
-        says ready, not inside the first requests."""
+        GPU kernels' JIT builds (seconds each on a machine without MLX's kernel cache) and the slot batches' traces
+        at a short prompt's capacity happen before /health says ready, not inside the first requests."""
         t0 = time.monotonic()
         top = min(self.max_batch, DECODE_KERNEL_ROWS)
         for b in sorted({min(row_bucket(n), top) for n in range(1, top + 1)}):  # one batch per kernel build
@@ -305,7 +298,12 @@ class Engine:
             self.model(mx.zeros((1, 1), mx.int32), cache=cache)
             if b == 1 and CompiledDecoder.applicable(self.model, cache):
                 mx.eval(CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32)))
-            mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b)))
+            if b > 1 and SlotBatchDecoder.applicable(self.model, cache):  # traced at a short prompt's capacity too
+                slots = SlotBatchDecoder(self.model, cache, row_bucket(b))
+                slots.join(cache)
+                mx.eval(slots(mx.zeros((slots.slots, 1), mx.int32)))
+            else:
+                mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b)))
         log.info("warm-up: decode steps of 1 to %d rows built in %.1f s", top, time.monotonic() - t0)
 
     def _iteration(self) -> bool:
@@ -346,27 +344,35 @@ class Engine:
     def _filter_rows(self, keep: list[int]) -> None:
         if len(keep) == len(self._rows):
             return
-        self._leave_batched()
         if not keep:
             self._drop_rows()
             return
         self._bias = None
+        kept = set(keep)
+        left = [r for i, r in enumerate(self._rows) if i not in kept]
         self._rows = [self._rows[i] for i in keep]
-        for c in self._cache:
-            c.filter(keep)
+        if self._slots is None:
+            for c in self._cache:
+                c.filter(keep)
+            return
+        for r in left:
+            self._slots.leave(r.slot)
+        self._fit_slots()
 
-    def _leave_batched(self) -> None:
-        """The compiled batch's state back into the batch caches, before its rows change."""
-        self._stable = 0
-        if self._batched is not None:
-            self._batched.write_back()
-            self._batched = None
-
-    def _leave_solo(self) -> None:
-        """The compiled sequence's state back into its cache, as a one-row batch the next rows can join."""
-        self._solo.write_back()
-        self._solo = None
-        self._cache = _as_batch(self._cache, 1)
+    def _fit_slots(self) -> None:
+        """After rows left: one row left goes on in the compiled single step; else the slots shrink to the row bucket
+        the rows need (a smaller batch's step costs less)."""
+        if len(self._rows) == 1:
+            r = self._rows[0]
+            cache = self._slots.sequence_cache(r.slot)
+            if CompiledDecoder.applicable(self.model, cache):
+                self._solo = CompiledDecoder(self.model, cache, reserve=min(r.max_new - len(r.generated) + 1, 2048))
+                self._cache, self._slots, r.slot = cache, None, None
+                return
+        if row_bucket(len(self._rows)) < self._slots.slots:
+            moved = self._slots.compact(row_bucket(len(self._rows)))
+            for r in self._rows:
+                r.slot = moved[r.slot]
 
     def _abort_all(self, error: APIError) -> None:
         with self._cv:
@@ -381,7 +387,7 @@ class Engine:
 
     def _drop_rows(self) -> None:
         """No rows decoding: their caches, compiled steps, logit_bias and queued step go with them."""
-        self._rows, self._cache, self._bias, self._solo, self._batched, self._queued = [], None, None, None, None, None
+        self._rows, self._cache, self._bias, self._solo, self._slots, self._queued = [], None, None, None, None, None
 
     def _start_job(self) -> None:
         while self._jobs and self._prefill is None:
@@ -432,19 +438,7 @@ class Engine:
 
     def _add_rows(self, job: Job) -> None:
         req, n = job.req, job.req.params.n
-        if not self._rows and n == 1 and CompiledDecoder.applicable(self.model, job.cache):
-            self._cache = job.cache
-            self._solo = CompiledDecoder(self.model, job.cache, reserve=min(req.max_new[job.index] + 1, 2048))
-        else:
-            self._leave_batched()
-            if self._solo is not None:
-                self._leave_solo()
-            new = _as_batch(job.cache, n)
-            if self._cache is None:
-                self._cache = new
-            else:
-                for a, b in zip(self._cache, new):
-                    a.extend(b)
+        slots = self._join(job.cache, n, req.max_new[job.index])
         p = req.params
         seed = p.seed if p.seed is not None else secrets.randbits(64)
         keys = mx.random.split(mx.random.key(seed % 2**64), len(req.prompts) * n)
@@ -460,9 +454,38 @@ class Engine:
         for j in range(n):
             choice = job.index * n + j
             self._rows.append(Row(req, choice, req.outputs[choice], job.tokens[-1], max_new,
-                                  keys[choice], make_row_sampler(p), processors, bias,
+                                  keys[choice], make_row_sampler(p), processors, bias, slot=slots[j],
                                   history=mx.array(tail, dtype=mx.uint32) if processors else None,
                                   history_prompt=len(tail)))
+
+    def _join(self, cache: list, n: int, max_new: int) -> list[Optional[int]]:
+        """A prefilled sequence cache into the decoding rows as n rows -> their slots (None outside a slot batch).
+        Alone it decodes in the compiled single step; with others in a SlotBatchDecoder, grown to the row bucket
+        they need; where neither applies (compiled_decode off), eagerly in batch caches."""
+        if not self._rows and n == 1 and CompiledDecoder.applicable(self.model, cache):
+            self._cache, self._solo = cache, CompiledDecoder(self.model, cache, reserve=min(max_new + 1, 2048))
+            return [None]
+        if self._solo is not None:  # the lone row's state back into its cache, to join a batch
+            self._solo.write_back()
+            self._solo, solo_cache, self._cache = None, self._cache, None
+            if SlotBatchDecoder.applicable(self.model, solo_cache):
+                self._slots = SlotBatchDecoder(self.model, solo_cache, row_bucket(1 + n))
+                self._rows[0].slot = self._slots.join(solo_cache)
+            else:
+                self._cache = _as_batch(solo_cache, 1)
+        elif not self._rows and n > 1 and SlotBatchDecoder.applicable(self.model, cache):
+            self._slots = SlotBatchDecoder(self.model, cache, row_bucket(n))
+        if self._slots is not None:
+            if len(self._rows) + n > self._slots.slots:
+                self._slots.grow(row_bucket(len(self._rows) + n))
+            return [self._slots.join(cache) for _ in range(n)]
+        new = _as_batch(cache, n)
+        if self._cache is None:
+            self._cache = new
+        else:
+            for a, b in zip(self._cache, new):
+                a.extend(b)
+        return [None] * n
 
     def _decode_step(self) -> None:
         """One decode step's tokens read and fed to their rows. Pipelined, the next step over the rows as they are
@@ -559,25 +582,18 @@ class Engine:
         self._filter_rows([i for i, r in enumerate(self._rows) if id(r) not in stopped and not r.req.finished])
 
     def _step(self, inputs: mx.array) -> mx.array:
-        """Logits [B, V] of one decode step of every row: compiled when alone or in a stable batch, else eager."""
+        """Logits [B, V] of one decode step of every row from inputs [B, 1]: compiled alone or in slots, else eager."""
         if self._solo is not None:
             return self._solo(inputs)
-        self._stable += 1
-        # Checked once per stable run of rows (not every step): a batch that cannot compile stays eager until it changes.
-        shape = CompiledBatchDecoder.traced_shape(self._cache) if self._batched is None else None
-        if shape is not None and self._compile_now(shape) and CompiledBatchDecoder.applicable(self.model, self._cache):
-            self._batched = CompiledBatchDecoder(self.model, self._cache)
-            self._traced.add(shape)
-        if self._batched is not None:
-            return self._batched(inputs)
-        return self.model(inputs, cache=self._cache)[:, -1, :]
-
-    def _compile_now(self, shape: tuple[int, int]) -> bool:
-        """Whether this step of a batch of `shape` (rows, capacity) compiles it: after STABLE_STEPS steps with the
-        same rows, or (switch batch_trace_reuse) at its first when a batch of that shape was compiled before."""
-        if self._stable == STABLE_STEPS + 1:
-            return True
-        return self._stable == 1 and ops.enabled("batch_trace_reuse") and shape in self._traced
+        if self._slots is None:
+            return self.model(inputs, cache=self._cache)[:, -1, :]
+        taken = [r.slot for r in self._rows]
+        if taken == list(range(self._slots.slots)):
+            return self._slots(inputs)
+        at = mx.array(taken)
+        full = mx.zeros((self._slots.slots, 1), dtype=inputs.dtype)  # a free slot's input: token 0, its output unread
+        full[at] = inputs
+        return self._slots(full)[at]
 
     def _advance(self, r: Row, token: int, lp: Optional[TokenLogprob]) -> bool:
         """Feed one sampled token to its row. -> whether the row keeps generating."""
