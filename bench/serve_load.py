@@ -5,8 +5,13 @@ checkpoint) or uses one already running (--url http://127.0.0.1:PORT). Per concu
 requests, then --requests-per-client x C streamed /v1/completions requests (greedy, distinct prompts, EOS
 barred with logit_bias so every request generates exactly --max-tokens), C at a time.
 
+--arms lily,stock serves the same load from stock mlx-lm's server (`python -m mlx_lm server`, its batching
+generator at --decode-concurrency of the largest level) too, a fresh process per arm and round, the arms
+alternating for --rounds rounds; the table then gives each arm's median and lily's ratio to stock.
+
     python -m bench.serve_load --tiny --concurrency 1,8,32
     python -m bench.serve_load --model PATH --max-tokens 128 --json results.json
+    python -m bench.serve_load --model PATH --arms lily,stock --rounds 2 --concurrency 1,8
 """
 
 from __future__ import annotations
@@ -105,17 +110,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+ARMS = ("lily", "stock")
+
+
+def _start_server(arm: str, model: str, max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch", str(max_batch),
-           "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
+    if arm == "lily":
+        cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch",
+               str(max_batch), "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--decode-concurrency",
+               str(max_batch), "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise RuntimeError(f"{arm} server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -123,7 +135,7 @@ def _start_server(model: str, max_batch: int, extra: list[str]) -> tuple[subproc
             pass
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError("server not ready after 300 s")
+    raise RuntimeError(f"{arm} server not ready after 300 s")
 
 
 def _eos_ids(model_dir: Path) -> list[int]:
@@ -147,24 +159,42 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--bar-token", type=int, action="append", default=None, help="token ids barred with logit_bias -100 (default: EOS)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started server (repeatable)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started lily server (repeatable)")
+    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock (default lily)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternating (default 1)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(not 1 <= c <= 256 for c in levels) or args.requests_per_client < 1:
         p.error("concurrency must be in 1..256 and --requests-per-client >= 1")
-    total = sum(c * (args.requests_per_client + 1) for c in levels)
+    arms = args.arms.split(",")
+    if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
+        p.error(f"--arms takes distinct names of {', '.join(ARMS)}, got {args.arms!r}")
+    if not 1 <= args.rounds <= 20:
+        p.error(f"--rounds must be in 1..20, got {args.rounds}")
+    if args.url and (arms != ["lily"] or args.rounds != 1):
+        p.error("--arms and --rounds start servers; --url measures one that runs already")
+    total = sum(c * (args.requests_per_client + 1) for c in levels) * len(arms) * args.rounds
     if total > MAX_TOTAL_REQUESTS:
         p.error(f"{total} requests planned; the limit is {MAX_TOTAL_REQUESTS}")
 
-    proc, tmp = None, None
+    tmp = None
+    runs: list[dict] = []  # {"arm", "round", "levels"} in the order they ran
+
+    def write():  # after every level, so a run cut short keeps the levels it finished
+        if args.json:
+            Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
+                                                   "levels": runs[0]["levels"], "runs": runs,
+                                                   "summary": _summary(runs, levels)}, indent=2))
+
     try:
         if args.url:
             host = urlparse(args.url).hostname
             if host not in ("127.0.0.1", "localhost", "::1"):
                 p.error(f"--url must point at this machine (127.0.0.1), got host {host!r}")
-            url, bar = args.url.rstrip("/"), args.bar_token or []
+            runs.append({"arm": "url", "round": 0, "levels": []})
+            _run_levels(args.url.rstrip("/"), levels, args, args.bar_token or [], runs[-1], write)
         else:
             if args.tiny:
                 sys.path.insert(0, str(REPO / "tests"))
@@ -175,35 +205,78 @@ def main(argv=None) -> int:
             else:
                 model = args.model
             bar = args.bar_token if args.bar_token is not None else _eos_ids(Path(model))
-            t0 = time.monotonic()
-            proc, url = _start_server(model, max(levels), args.server_arg)
-            print(f"server ready in {time.monotonic() - t0:.1f} s (load and kernel warm-up)", flush=True)
-        rows, offset = [], 0
-        for c in levels:
-            run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset)  # warm-up
-            offset += c
-            row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset)
-            offset += c * args.requests_per_client
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:  # after every level, so a run cut short keeps the levels it finished
-                Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-                                                       "levels": rows}, indent=2))
-        print("\n| clients | requests/s | decode tok/s (aggregate) | per-sequence tok/s (p50) | TTFT p50 (s) | latency p50 (s) | errors |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            print(f"| {r['concurrency']} | {r['requests_per_s']} | {r['decode_tok_per_s']} | {r['per_sequence_tok_per_s_p50']} "
-                  f"| {r['ttft_p50_s']} | {r['latency_p50_s']} | {r['errors']} |")
-        return 0 if all(r["errors"] == 0 for r in rows) else 1
+            for r in range(args.rounds):
+                for arm in arms:
+                    t0 = time.monotonic()
+                    proc, url = _start_server(arm, model, max(levels), args.server_arg)
+                    try:
+                        print(f"{arm} server ready in {time.monotonic() - t0:.1f} s (load and kernel warm-up)", flush=True)
+                        runs.append({"arm": arm, "round": r, "levels": []})
+                        _run_levels(url, levels, args, bar, runs[-1], write)
+                    finally:
+                        _stop(proc)
+        _print_table(runs, levels)
+        return 0 if all(row["errors"] == 0 for run in runs for row in run["levels"]) else 1
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         if tmp is not None:
             tmp.cleanup()
+
+
+def _run_levels(url: str, levels: list[int], args, bar: list[int], run: dict, write) -> None:
+    offset = 0
+    for c in levels:
+        run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset)  # warm-up
+        offset += c
+        row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset)
+        offset += c * args.requests_per_client
+        run["levels"].append(row)
+        print(json.dumps({"arm": run["arm"], **row}), flush=True)
+        write()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
+    """Per level and arm: the median over rounds of the aggregate and per-sequence tok/s and TTFT, the aggregate's
+    spread ((max - min) / median), and lily's aggregate over stock's where both ran."""
+    out = []
+    for c in levels:
+        by_arm: dict[str, list[dict]] = {}
+        for run in runs:
+            by_arm.setdefault(run["arm"], []).extend(row for row in run["levels"] if row["concurrency"] == c)
+        medians = {}
+        for arm, rows in by_arm.items():
+            if not rows:
+                continue
+            agg = [row["decode_tok_per_s"] for row in rows]
+            med = statistics.median(agg)
+            medians[arm] = med
+            pick = lambda k: statistics.median(v for row in rows if (v := row[k]) is not None) \
+                if any(row[k] is not None for row in rows) else None  # noqa: E731
+            out.append({"concurrency": c, "arm": arm, "rounds": len(rows), "decode_tok_per_s": med,
+                        "spread": round((max(agg) - min(agg)) / med, 3) if med else None,
+                        "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50"), "ttft_p50_s": pick("ttft_p50_s"),
+                        "errors": sum(row["errors"] for row in rows)})
+        if "lily" in medians and medians.get("stock"):
+            for row in out:
+                if row["concurrency"] == c and row["arm"] == "lily":
+                    row["x_stock"] = round(medians["lily"] / medians["stock"], 2)
+    return out
+
+
+def _print_table(runs: list[dict], levels: list[int]) -> None:
+    print("\n| clients | server | rounds | decode tok/s (aggregate, median) | spread | x stock | per-sequence tok/s (p50) "
+          "| TTFT p50 (s) | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in _summary(runs, levels):
+        print(f"| {r['concurrency']} | {r['arm']} | {r['rounds']} | {r['decode_tok_per_s']} | {r['spread']} "
+              f"| {r.get('x_stock', '')} | {r['per_sequence_tok_per_s_p50']} | {r['ttft_p50_s']} | {r['errors']} |")
 
 
 if __name__ == "__main__":

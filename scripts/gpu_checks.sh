@@ -15,7 +15,7 @@
 # and with .ptx-cache/lily-kernels.tar.xz (scripts/prebuild_kernels.py) where it exists.
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments;
-# AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s); SERVE_ARGS replaces the pipelined
+# AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s); SERVE_ARGS replaces the pipelined and against-stock
 # server steps' request arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -328,6 +328,10 @@ for disable in "" server_pipeline; do
     -m bench.serve_load --model "$model" --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
     --json "$res/serve_pipeline${disable:+_off}.json"
 done
+# The same load served by stock mlx-lm's server (its batching generator) and lily's, alternating, 2 rounds each.
+step 150 300 "server at 1 and 8 clients against stock mlx-lm's server" python3 -m bench.serve_load --model "$model" \
+  --arms lily,stock --rounds 2 --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
+  --json "$res/serve_vs_stock.json"
 # The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8
 # clients decoded 336 tok/s in all (H100 run 89, before the slots), ~55 a sequence, against ~480 for one.
 for disable in "" compiled_decode; do

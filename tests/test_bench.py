@@ -580,3 +580,27 @@ def test_chain_trace_needs_its_define(kernel_env):
     kernel_env(kernels.DEFINES_ENV, None)
     with pytest.raises(SystemExit, match="LILY_CHAIN_TRACE=<blocks>"):
         ct.main(["--model", str(EMBEDDED_4BIT_MODEL), "--steps", "1"])
+
+
+def test_serve_load_runs_lily_and_stock_servers_on_the_same_load(tmp_path, capsys):
+    """bench.serve_load --arms lily,stock: both servers started in turn on the tiny checkpoint, every request
+    generating exactly --max-tokens (EOS barred), and the summary giving lily's aggregate over stock's."""
+    from bench import serve_load
+
+    out = tmp_path / "serve.json"
+    assert serve_load.main(["--tiny", "--arms", "lily,stock", "--concurrency", "2", "--requests-per-client", "1",
+                            "--max-tokens", "5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["arm"] for r in report["runs"]] == ["lily", "stock"]
+    for run in report["runs"]:
+        (row,) = run["levels"]
+        assert row["errors"] == 0 and row["requests"] == 2 and row["completion_tokens"] == 10
+    lily, stock = report["summary"]
+    assert (lily["arm"], stock["arm"]) == ("lily", "stock") and "x_stock" not in stock
+    assert lily["x_stock"] == round(lily["decode_tok_per_s"] / stock["decode_tok_per_s"], 2)
+    assert "| 2 | stock | 1 |" in capsys.readouterr().out
+    for bad in (["--arms", "lily,vllm"], ["--arms", "lily,lily"], ["--rounds", "0"],
+                ["--url", "http://127.0.0.1:9", "--arms", "stock"]):
+        with pytest.raises(SystemExit) as e:
+            serve_load.main(["--tiny", *bad] if "--url" not in bad else bad)
+        assert e.value.code == 2
