@@ -318,7 +318,7 @@ step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --j
 if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
 fi
-for enable in "" "batched_attn_decode"; do
+for enable in "" "batched_attn_decode" "batched_prefill"; do
   step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
     --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
 done

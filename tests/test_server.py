@@ -1008,3 +1008,55 @@ def test_penalties_read_the_tokens_the_host_has_not_read(tiny_dir):
         with ops.switched("server_pipeline", pipelined):
             assert served(1) == [want], pipelined
             assert served(2) == [want, want], pipelined
+
+
+def test_batched_prefill_gives_each_row_its_own_prefill(tiny_dir, monkeypatch):
+    """Switch batched_prefill: prompts of different lengths queued together (one with n=2) prefill in one
+    left-padded forward; every choice's greedy text equals the one-at-a-time prefill's, the rows' prompt ends are
+    snapshotted into the prefix cache as a lone prefill's are, and a prompt with a snapshot inside it, one
+    longer than --prefill-step, or one the prefix cache resumes, is prefilled alone."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.prefix_cache import PrefixCache
+    from lily_mlx.server.schema import SamplingParams
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    # 4, 8, 18 (n=2), 36 tokens (the padded 4 x 36 is past prefill_step), one with a snapshot inside, one past
+    # prefill_step, the first again (resumed from its snapshot)
+    texts = ["Foxes", "Models serve", "Two choices of this:", "A longer prompt about the habits of dogs and cats",
+             "One with a snapshot inside it, at a message boundary",
+             "A prompt longer than the prefill step of sixty-four tokens, so it is prefilled in chunks", "Foxes"]
+    groups, real = [], Engine._prefill_together
+    monkeypatch.setattr(Engine, "_prefill_together", lambda self, g: groups.append(len(g)) or real(self, g))
+
+    def run():
+        groups.clear()
+        engine = Engine(lambda: (model, tok), prefix_cache=PrefixCache(1 << 30), prefill_step=64).start()
+        assert engine.ready.wait(30)
+        events, reqs = [[] for _ in texts], []
+        try:
+            with engine._cv:  # every request in the engine's next iteration
+                for i, text in enumerate(texts):
+                    ids = tok.encode(text)
+                    snaps = [len(ids) - 1] + ([4] if i == 4 else [])
+                    n = 2 if i == 2 else 1
+                    req = Request([ids], [sorted(snaps)], [12], SamplingParams(temperature=0, n=n),
+                                  [ChoiceOutput(tok, [], chat=False) for _ in range(n)], events[i].extend, 60)
+                    reqs.append(req)
+                    engine.submit(req)
+            _wait_finished(reqs)
+            snapped = [engine.prefix_cache.contains(tok.encode(t), len(tok.encode(t)) - 1) for t in texts]
+        finally:
+            engine.stop()
+        per_choice = [[e for e in ev if e[0] in ("delta", "finish")] for ev in events]
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in per_choice], snapped
+
+    assert not ops.enabled("batched_prefill")
+    alone, snapped_alone = run()
+    assert groups == []
+    with ops.switched("batched_prefill", True):
+        together, snapped = run()
+    assert groups == [3], groups  # the first three; the 36-token one then alone, as is every one after it
+    assert together == alone and snapped == snapped_alone == [True] * len(texts)

@@ -1,7 +1,8 @@
 """The one engine loop: a thread that owns the model and batches every running request.
 
 Each iteration reaps cancelled / timed-out work, runs one prefill chunk of the request at the head
-of the queue (batch 1, resuming from the prefix cache), then one decode step of all running
+of the queue (batch 1, resuming from the prefix cache; with switch batched_prefill the whole prompts
+queued behind it too, in one left-padded forward), then one decode step of all running
 sequences together: a [B, 1] forward over mlx-lm's BatchKVCache (attention) and ArraysCache
 (DeltaNet) rows, per-row logits processors and samplers, and the text pipeline of each choice. A
 sequence running alone decodes through the compiled step (lily_mlx.decode.CompiledDecoder) over its
@@ -48,6 +49,11 @@ from .prefix_cache import PrefixCache, restore, snapshot
 from .schema import APIError, BadRequest, SamplingParams
 
 log = logging.getLogger("lily_mlx.server")
+# Prompts queued together prefill in one left-padded forward (stock mlx-lm's server: --prompt-concurrency 8), where
+# one at a time each held every running row for a whole forward. Opt-in until a GPU has timed it.
+PREFILL_BATCH = 8
+ops.register_switch("batched_prefill", "the server prefills the whole prompts queued together in one left-padded "
+                    "forward, each row then split into its own cache", default_on=False)
 ops.register_switch("server_pipeline", "the server queues each decode step before it reads the last step's tokens, so "
                     "the host's reading and streaming overlap the GPU's work")
 
@@ -395,28 +401,37 @@ class Engine:
             if len(self._rows) + job.req.params.n > self.max_batch:
                 return  # wait for rows to free up
             self._jobs.popleft()
-            snap = self.prefix_cache.lookup(job.tokens, job.snaps)
-            if self.prefix_cache.enabled:
-                self.metrics.cache_lookups.labels("hit" if snap else "miss").inc()
-            if snap is not None:
-                job.cache, job.pos = restore(snap.layers, snap.length), snap.length
-                self.metrics.cached_tokens.inc(snap.length)
-            else:
-                job.cache = self.model.make_cache()
-            self.metrics.prompt_tokens.inc(len(job.tokens))
-            job.req.push(("prompt", job.index, job.pos))
-            job.req.flush()
+            self._admit(job)
             if job.pos == len(job.tokens) - 1:
                 self._add_rows(job)
             else:
                 self._prefill = job
 
+    def _admit(self, job: Job) -> None:
+        """A queued job's prompt cache: from the prefix cache's deepest snapshot of its prompt, else empty."""
+        snap = self.prefix_cache.lookup(job.tokens, job.snaps)
+        if self.prefix_cache.enabled:
+            self.metrics.cache_lookups.labels("hit" if snap else "miss").inc()
+        if snap is not None:
+            job.cache, job.pos = restore(snap.layers, snap.length), snap.length
+            self.metrics.cached_tokens.inc(snap.length)
+        else:
+            job.cache = self.model.make_cache()
+        self.metrics.prompt_tokens.inc(len(job.tokens))
+        job.req.push(("prompt", job.index, job.pos))
+        job.req.flush()
+
     def _prefill_chunk(self) -> None:
         """Up to prefill_step tokens of the head job, stopping at snapshot positions and multiples of the step
-        (a fixed split, so a prompt resumed from a snapshot computes exactly what a full prefill would)."""
+        (a fixed split, so a prompt resumed from a snapshot computes exactly what a full prefill would); with the
+        queued prompts behind it in one forward where they can (_prefill_group)."""
         self._start_job()
         job = self._prefill
         if job is None:
+            return
+        group = self._prefill_group(job)
+        if len(group) > 1:
+            self._prefill_together(group)
             return
         end = len(job.tokens) - 1  # the last prompt token is the first decode input
         target = min([end, (job.pos // self.prefill_step + 1) * self.prefill_step] + [s for s in job.snaps if s > job.pos])
@@ -434,6 +449,58 @@ class Engine:
             return
         if job.pos == end:
             self._prefill = None
+            self._add_rows(job)
+
+    def _whole(self, job: Job) -> bool:
+        """Whether a job's prompt can be prefilled with others: all of it (but the last token) from position 0 in one
+        chunk, with no snapshot to take before its end, into a cache of the layer types the rows split back into."""
+        end = len(job.tokens) - 1
+        snaps_inside = self.prefix_cache.enabled and any(job.pos < s < end for s in job.snaps)
+        types_ok = job.cache is None or all(type(c) in (KVCache, ArraysCache) for c in job.cache)
+        return job.pos == 0 and 0 < end <= self.prefill_step and not snaps_inside and types_ok
+
+    def _prefill_group(self, head: Job) -> list[Job]:
+        """head and the queued jobs right behind it that one left-padded forward prefills with it (switch
+        batched_prefill): whole prompts (_whole) not resuming from the prefix cache, at most PREFILL_BATCH of them,
+        their padded tokens within --prefill-step and their rows within --max-batch."""
+        if not ops.enabled("batched_prefill") or not self._whole(head):
+            return [head]
+        group, rows = [head], len(self._rows) + head.req.params.n
+        while self._jobs and len(group) < PREFILL_BATCH:
+            job = self._jobs[0]
+            longest = max(len(j.tokens) - 1 for j in (*group, job))
+            if rows + job.req.params.n > self.max_batch or longest * (len(group) + 1) > self.prefill_step \
+                    or not self._whole(job) or self.prefix_cache.lookup(job.tokens, job.snaps) is not None:
+                break
+            self._jobs.popleft()
+            self._admit(job)
+            group.append(job)
+            rows += job.req.params.n
+        return group
+
+    def _prefill_together(self, group: list[Job]) -> None:
+        """The jobs' prompts (but their last tokens) in one forward, left-padded to the longest over mlx-lm's
+        BatchKVCache / ArraysCache (the padding masked), each row then taken out as its job's own cache."""
+        lengths = [len(j.tokens) - 1 for j in group]
+        pad = [max(lengths) - n for n in lengths]
+        tokens = mx.array([[0] * p + j.tokens[:n] for j, p, n in zip(group, pad, lengths)])  # [B, longest]
+        cache = [BatchKVCache(pad) if type(c) is KVCache else ArraysCache(len(c.cache), left_padding=pad)
+                 for c in group[0].cache]
+        self._prefill = None
+        try:
+            with bounded_prefill():
+                self.model(tokens, cache=cache)
+                mx.eval([c.state for c in cache])
+            for i, job in enumerate(group):
+                job.cache, job.pos = [c.extract(i) for c in cache], lengths[i]
+                if job.pos in job.snaps and not self.prefix_cache.contains(job.tokens, job.pos):
+                    self.prefix_cache.insert(job.tokens, job.pos, snapshot(job.cache, job.pos))
+        except Exception as e:
+            log.exception("prefill of %d prompts together failed", len(group))
+            for job in group:
+                job.req.fail(APIError(f"prefill failed: {type(e).__name__}: {e}", code="prefill_failed"))
+            return
+        for job in group:
             self._add_rows(job)
 
     def _add_rows(self, job: Job) -> None:
