@@ -837,6 +837,40 @@ def test_slot_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkeypa
     assert any(rows_taken), "no batched row went through ops.attention_decode"
 
 
+def test_one_token_prompt_first_decodes_in_slots(tiny_dir, monkeypatch):
+    """A one-token prompt has nothing to prefill, so no cache to lay a batch out from: alone, and with the requests
+    that join it, it still decodes compiled in slots (laid out from a one-token forward's shapes), not eagerly, and
+    its greedy text is the eager path's."""
+    import lily_mlx
+    from lily_mlx import ops
+    from lily_mlx.server.engine import Engine
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    assert len(tok.encode("x")) == 1
+    specs = [("x", 40), ("Foxes and", 12), ("Models serve", 20)]
+    modes, real_step = [], Engine._step
+
+    def step(self, inputs):
+        modes.append("solo" if self._solo else "slots" if self._slots else "eager")
+        return real_step(self, inputs)
+
+    monkeypatch.setattr(Engine, "_step", step)
+
+    def after(i, engine, reqs, events):
+        _wait_until(lambda: sum(e[0] == "delta" for e in events[i]) >= 2, lambda: not reqs[i].finished)
+
+    def run():
+        modes.clear()
+        events, _ = _serve_greedy(model, tok, specs, after)
+        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
+
+    compiled = run()
+    assert modes[0] == "slots" and "eager" not in modes, modes
+    with ops.disabled("compiled_decode"):
+        assert run() == compiled
+    assert set(modes) == {"eager"}
+
+
 def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
     """--warmup (the CLI's default) decodes a batch of each kernel row bucket up to --max-batch before the engine
     says ready, and leaves nothing behind: a request after it decodes as it does without."""

@@ -527,8 +527,9 @@ class Engine:
 
     def _join(self, cache: list, n: int, max_new: int) -> list[Optional[int]]:
         """A prefilled sequence cache into the decoding rows as n rows -> their slots (None outside a slot batch).
-        Alone it decodes in the compiled single step; with others in a SlotBatchDecoder, grown to the row bucket
-        they need; where neither applies (compiled_decode off), eagerly in batch caches."""
+        Alone it decodes in the compiled single step (in one slot where nothing is prefilled in it); with others in a
+        SlotBatchDecoder, grown to the row bucket they need; where neither applies (compiled_decode off), eagerly in
+        batch caches."""
         if not self._rows and n == 1 and CompiledDecoder.applicable(self.model, cache):
             self._cache, self._solo = cache, CompiledDecoder(self.model, cache, reserve=min(max_new + 1, 2048))
             return [None]
@@ -540,8 +541,8 @@ class Engine:
                 self._rows[0].slot = self._slots.join(solo_cache)
             else:
                 self._cache = _as_batch(solo_cache, 1)
-        elif not self._rows and n > 1 and SlotBatchDecoder.applicable(self.model, cache):
-            self._slots = SlotBatchDecoder(self.model, cache, row_bucket(n))
+        elif not self._rows and (layout := self._slot_layout(cache)) is not None:
+            self._slots = SlotBatchDecoder(self.model, layout, row_bucket(n))
         if self._slots is not None:
             if len(self._rows) + n > self._slots.slots:
                 self._slots.grow(row_bucket(len(self._rows) + n))
@@ -553,6 +554,17 @@ class Engine:
             for a, b in zip(self._cache, new):
                 a.extend(b)
         return [None] * n
+
+    def _slot_layout(self, cache: list) -> Optional[list]:
+        """The cache a SlotBatchDecoder for this sequence is laid out from: its own, or where nothing is prefilled in
+        it (a one-token prompt) a one-token forward's, built but never run (the decoder reads only its shapes)."""
+        if SlotBatchDecoder.applicable(self.model, cache):
+            return cache
+        if not all(type(c) in (KVCache, ArraysCache) for c in cache):
+            return None
+        filled = self.model.make_cache()
+        self.model(mx.zeros((1, 1), mx.int32), cache=filled)
+        return filled if SlotBatchDecoder.applicable(self.model, filled) else None
 
     def _decode_step(self) -> None:
         """One decode step's tokens read and fed to their rows. Pipelined, the next step over the rows as they are
