@@ -7,7 +7,9 @@ barred with logit_bias so every request generates exactly --max-tokens), C at a 
 
 --arms lily,stock serves the same load from stock mlx-lm's server (`python -m mlx_lm server`, its batching
 generator at --decode-concurrency of the largest level) too, a fresh process per arm and round, the arms
-alternating for --rounds rounds; the table then gives each arm's median and lily's ratio to stock.
+alternating for --rounds rounds; the table then gives each arm's median and lily's ratio to stock. Arm
+`baseline` is lily's server from another tree (--baseline DIR, e.g. `git archive REV lily_mlx kernels | tar -x -C
+DIR`), run from inside it so that its own lily_mlx is the one imported; the table gives lily's ratio to it too.
 
     python -m bench.serve_load --tiny --concurrency 1,8,32
     python -m bench.serve_load --model PATH --max-tokens 128 --json results.json
@@ -28,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 import httpx
@@ -110,19 +113,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-ARMS = ("lily", "stock")
+ARMS = ("lily", "stock", "baseline")
 
 
-def _start_server(arm: str, model: str, max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
+                  baseline: Optional[Path] = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if arm == "lily":
-        cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch",
-               str(max_batch), "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
-    else:
+    root = baseline if arm == "baseline" else REPO  # `python -m` imports from its working directory first
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if arm == "stock":
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--decode-concurrency",
                str(max_batch), "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    else:
+        cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch",
+               str(max_batch), "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, env=env, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--bar-token", type=int, action="append", default=None, help="token ids barred with logit_bias -100 (default: EOS)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started lily server (repeatable)")
-    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock (default lily)")
+    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock, baseline (default lily)")
+    p.add_argument("--baseline", type=Path, help="the tree arm `baseline` serves from (a folder holding a lily_mlx package)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternating (default 1)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -171,6 +177,10 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
         p.error(f"--arms takes distinct names of {', '.join(ARMS)}, got {args.arms!r}")
+    if ("baseline" in arms) != (args.baseline is not None):
+        p.error("arm baseline and --baseline DIR go together")
+    if args.baseline is not None and not (args.baseline / "lily_mlx" / "server" / "__main__.py").is_file():
+        p.error(f"--baseline {args.baseline}: no lily_mlx server package in it")
     if not 1 <= args.rounds <= 20:
         p.error(f"--rounds must be in 1..20, got {args.rounds}")
     if args.url and (arms != ["lily"] or args.rounds != 1):
@@ -208,7 +218,8 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 for arm in arms:
                     t0 = time.monotonic()
-                    proc, url = _start_server(arm, model, max(levels), args.server_arg)
+                    proc, url = _start_server(arm, model, max(levels), args.server_arg,
+                                              args.baseline and args.baseline.resolve())
                     try:
                         print(f"{arm} server ready in {time.monotonic() - t0:.1f} s (load and kernel warm-up)", flush=True)
                         runs.append({"arm": arm, "round": r, "levels": []})
@@ -244,7 +255,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
     """Per level and arm: the median over rounds of the aggregate and per-sequence tok/s and TTFT, the aggregate's
-    spread ((max - min) / median), and lily's aggregate over stock's where both ran."""
+    spread ((max - min) / median), and lily's aggregate over stock's and over the baseline's where they ran."""
     out = []
     for c in levels:
         by_arm: dict[str, list[dict]] = {}
@@ -263,20 +274,22 @@ def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
                         "spread": round((max(agg) - min(agg)) / med, 3) if med else None,
                         "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50"), "ttft_p50_s": pick("ttft_p50_s"),
                         "errors": sum(row["errors"] for row in rows)})
-        if "lily" in medians and medians.get("stock"):
-            for row in out:
-                if row["concurrency"] == c and row["arm"] == "lily":
-                    row["x_stock"] = round(medians["lily"] / medians["stock"], 2)
+        for other in ("stock", "baseline"):
+            if "lily" in medians and medians.get(other):
+                for row in out:
+                    if row["concurrency"] == c and row["arm"] == "lily":
+                        row[f"x_{other}"] = round(medians["lily"] / medians[other], 2)
     return out
 
 
 def _print_table(runs: list[dict], levels: list[int]) -> None:
-    print("\n| clients | server | rounds | decode tok/s (aggregate, median) | spread | x stock | per-sequence tok/s (p50) "
-          "| TTFT p50 (s) | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| clients | server | rounds | decode tok/s (aggregate, median) | spread | x stock | x baseline "
+          "| per-sequence tok/s (p50) | TTFT p50 (s) | errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in _summary(runs, levels):
         print(f"| {r['concurrency']} | {r['arm']} | {r['rounds']} | {r['decode_tok_per_s']} | {r['spread']} "
-              f"| {r.get('x_stock', '')} | {r['per_sequence_tok_per_s_p50']} | {r['ttft_p50_s']} | {r['errors']} |")
+              f"| {r.get('x_stock', '')} | {r.get('x_baseline', '')} | {r['per_sequence_tok_per_s_p50']} "
+              f"| {r['ttft_p50_s']} | {r['errors']} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
 # LENGTHS and PREFILL_VARIANTS replace the prefill step's lengths and its variants and sweeps; PARTS_TOKENS the parts
 # step's length; KERNEL_ROWS (a regex) keeps only those kernel-table rows; AB_ARGS replaces the A/B matrix's prompt, generation and round arguments;
 # AB_ARMS the arms of the A/B against stock, AB_CAP its time limit (default 240 s); SERVE_ARGS replaces the pipelined and against-stock
-# server steps' request arguments.
+# server steps' request arguments; BASELINE (a folder) adds the server step against that older tree.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -332,6 +332,13 @@ done
 step 150 300 "server at 1 and 8 clients against stock mlx-lm's server" python3 -m bench.serve_load --model "$model" \
   --arms lily,stock --rounds 2 --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
   --json "$res/serve_vs_stock.json"
+# With BASELINE=DIR (an older tree: `git archive REV lily_mlx kernels | tar -x -C DIR`, carried untracked), the
+# same load from that tree's server and this one's, alternating.
+if [ -n "${BASELINE:-}" ]; then
+  step 150 300 "server at 1 and 8 clients against the baseline tree" python3 -m bench.serve_load --model "$model" \
+    --arms lily,baseline --baseline "$BASELINE" --rounds 2 --concurrency 1,8 \
+    ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} --json "$res/serve_vs_baseline.json"
+fi
 # The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8
 # clients decoded 336 tok/s in all (H100 run 89, before the slots), ~55 a sequence, against ~480 for one.
 for disable in "" compiled_decode; do

@@ -582,25 +582,37 @@ def test_chain_trace_needs_its_define(kernel_env):
         ct.main(["--model", str(EMBEDDED_4BIT_MODEL), "--steps", "1"])
 
 
-def test_serve_load_runs_lily_and_stock_servers_on_the_same_load(tmp_path, capsys):
-    """bench.serve_load --arms lily,stock: both servers started in turn on the tiny checkpoint, every request
-    generating exactly --max-tokens (EOS barred), and the summary giving lily's aggregate over stock's."""
+def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_path, capsys, monkeypatch):
+    """bench.serve_load --arms lily,stock,baseline: the three servers started in turn on the tiny checkpoint (the
+    baseline from its own tree: a copy whose package notes each import), every request generating exactly
+    --max-tokens (EOS barred), and the summary giving lily's aggregate over stock's and over the baseline's."""
+    import shutil
+
     from bench import serve_load
 
+    repo = Path(__file__).resolve().parent.parent
+    tree, mark = tmp_path / "baseline", tmp_path / "imported"
+    shutil.copytree(repo / "lily_mlx", tree / "lily_mlx", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("scratch"))
+    init = tree / "lily_mlx" / "__init__.py"
+    init.write_text(f"open({str(mark)!r}, 'a').write('imported\\n')\n" + init.read_text())
     out = tmp_path / "serve.json"
-    assert serve_load.main(["--tiny", "--arms", "lily,stock", "--concurrency", "2", "--requests-per-client", "1",
-                            "--max-tokens", "5", "--json", str(out)]) == 0
+    assert serve_load.main(["--tiny", "--arms", "lily,stock,baseline", "--baseline", str(tree), "--concurrency", "2",
+                            "--requests-per-client", "1", "--max-tokens", "5", "--json", str(out)]) == 0
+    assert mark.read_text() == "imported\n"  # the baseline's server, and only it, ran the copy
     report = json.loads(out.read_text())
-    assert [r["arm"] for r in report["runs"]] == ["lily", "stock"]
+    assert [r["arm"] for r in report["runs"]] == ["lily", "stock", "baseline"]
     for run in report["runs"]:
         (row,) = run["levels"]
         assert row["errors"] == 0 and row["requests"] == 2 and row["completion_tokens"] == 10
-    lily, stock = report["summary"]
-    assert (lily["arm"], stock["arm"]) == ("lily", "stock") and "x_stock" not in stock
-    assert lily["x_stock"] == round(lily["decode_tok_per_s"] / stock["decode_tok_per_s"], 2)
+    by_arm = {r["arm"]: r for r in report["summary"]}
+    lily = by_arm["lily"]
+    for other in ("stock", "baseline"):
+        assert lily[f"x_{other}"] == round(lily["decode_tok_per_s"] / by_arm[other]["decode_tok_per_s"], 2)
+        assert f"x_{other}" not in by_arm[other]
     assert "| 2 | stock | 1 |" in capsys.readouterr().out
-    for bad in (["--arms", "lily,vllm"], ["--arms", "lily,lily"], ["--rounds", "0"],
-                ["--url", "http://127.0.0.1:9", "--arms", "stock"]):
+    for bad in (["--arms", "lily,vllm"], ["--arms", "lily,lily"], ["--rounds", "0"], ["--arms", "lily,baseline"],
+                ["--baseline", str(tmp_path), "--arms", "baseline"], ["--url", "http://127.0.0.1:9", "--arms", "stock"]):
         with pytest.raises(SystemExit) as e:
             serve_load.main(["--tiny", *bad] if "--url" not in bad else bad)
         assert e.value.code == 2
