@@ -332,7 +332,7 @@ done
 step 150 300 "server at 1 and 8 clients against stock mlx-lm's server" python3 -m bench.serve_load --model "$model" \
   --arms lily,stock --rounds 2 --concurrency 1,8 ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} \
   --json "$res/serve_vs_stock.json"
-# With BASELINE=DIR (an older tree: `git archive REV lily_mlx kernels | tar -x -C DIR`, carried untracked), the
+# With BASELINE=DIR (an older tree: `git archive REV lily_mlx kernels | tar -x -C DIR`; baseline/ is ignored, so carry it), the
 # same load from that tree's server and this one's, alternating.
 if [ -n "${BASELINE:-}" ]; then
   step 150 300 "server at 1 and 8 clients against the baseline tree" python3 -m bench.serve_load --model "$model" \
