@@ -560,7 +560,7 @@ class Engine:
         it (a one-token prompt) a one-token forward's, built but never run (the decoder reads only its shapes)."""
         if SlotBatchDecoder.applicable(self.model, cache):
             return cache
-        if not all(type(c) in (KVCache, ArraysCache) for c in cache):
+        if not ops.enabled("compiled_decode") or not all(type(c) in (KVCache, ArraysCache) for c in cache):
             return None
         filled = self.model.make_cache()
         self.model(mx.zeros((1, 1), mx.int32), cache=filled)
