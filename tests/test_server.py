@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import httpx
 import pytest
@@ -741,6 +742,36 @@ def _serve_greedy(model, tok, specs, after=None, watch=None) -> tuple[list, bool
     return events, seen
 
 
+def _greedy_texts(model, tok, specs, after=None) -> list[str]:
+    """_serve_greedy's requests, each as its text and finish event."""
+    events, _ = _serve_greedy(model, tok, specs, after)
+    return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
+
+
+def _each_decoding(first: int) -> Callable:
+    """An after() for _serve_greedy: each request before `first` has streamed two deltas before the next comes."""
+    def after(i, engine, reqs, events):
+        if i < first:
+            _wait_until(lambda: sum(e[0] == "delta" for e in events[i]) >= 2, lambda: not reqs[i].finished)
+    return after
+
+
+def _step_modes(monkeypatch, seen: Optional[Callable] = None) -> list:
+    """Each decode step's (rows, how it ran: solo, slots or eager), recorded from Engine._step (seen(engine) first)."""
+    from lily_mlx.server.engine import Engine
+
+    modes, real_step = [], Engine._step
+
+    def step(self, inputs):
+        if seen is not None:
+            seen(self)
+        modes.append((len(self._rows), "solo" if self._solo else "slots" if self._slots else "eager"))
+        return real_step(self, inputs)
+
+    monkeypatch.setattr(Engine, "_step", step)
+    return modes
+
+
 def test_lone_sequence_decodes_compiled_then_joins_a_batch(tiny_dir):
     """A sequence running alone decodes through the compiled step; when a second request arrives, its state is
     written back and both continue batched. Greedy text equals the eager batched path's (compiled_decode off)."""
@@ -790,31 +821,22 @@ def test_slot_batch_decodes_compiled_through_joins_and_leaves(tiny_dir, monkeypa
     import lily_mlx.decode as decode
     import lily_mlx.model as model_mod
     from lily_mlx import ops
-    from lily_mlx.server.engine import Engine
 
     model, tok = lily_mlx.load(str(tiny_dir))
     specs = [("Foxes", 64), ("A longer prompt about the habits of dogs and", 28), ("Models serve", 40),
              ("Late arrival:", 20)]
-    modes, shapes, traced = [], set(), []  # each step's (rows, mode); the slot batches' (slots, capacity); traces
-    real_step, real_trace = Engine._step, decode._batch_step
+    shapes, traced, real_trace = set(), [], decode._batch_step  # the slot batches' (slots, capacity); traces
 
-    def step(self, inputs):
-        if self._slots is not None:
-            shapes.add((self._slots.slots, self._slots.kv[0][0].shape[2]))
-        modes.append((len(self._rows), "solo" if self._solo else "slots" if self._slots else "eager"))
-        return real_step(self, inputs)
+    def seen(engine):
+        if engine._slots is not None:
+            shapes.add((engine._slots.slots, engine._slots.kv[0][0].shape[2]))
 
-    monkeypatch.setattr(Engine, "_step", step)
+    modes = _step_modes(monkeypatch, seen)
     monkeypatch.setattr(decode, "_batch_step", lambda *a: traced.append(1) or real_trace(*a))
-
-    def after(i, engine, reqs, events):
-        if i < 3:  # the next one joins a batch that decodes (the first alone)
-            _wait_until(lambda: sum(e[0] == "delta" for e in events[i]) >= 2, lambda: not reqs[i].finished)
 
     def run():
         modes.clear()
-        events, _ = _serve_greedy(model, tok, specs, after)
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
+        return _greedy_texts(model, tok, specs, _each_decoding(3))  # each joins a batch that decodes
 
     compiled = run()
     assert {m for _, m in modes} == {"solo", "slots"}, modes
@@ -843,32 +865,21 @@ def test_one_token_prompt_first_decodes_in_slots(tiny_dir, monkeypatch):
     its greedy text is the eager path's."""
     import lily_mlx
     from lily_mlx import ops
-    from lily_mlx.server.engine import Engine
 
     model, tok = lily_mlx.load(str(tiny_dir))
     assert len(tok.encode("x")) == 1
     specs = [("x", 40), ("Foxes and", 12), ("Models serve", 20)]
-    modes, real_step = [], Engine._step
-
-    def step(self, inputs):
-        modes.append("solo" if self._solo else "slots" if self._slots else "eager")
-        return real_step(self, inputs)
-
-    monkeypatch.setattr(Engine, "_step", step)
-
-    def after(i, engine, reqs, events):
-        _wait_until(lambda: sum(e[0] == "delta" for e in events[i]) >= 2, lambda: not reqs[i].finished)
+    modes = _step_modes(monkeypatch)
 
     def run():
         modes.clear()
-        events, _ = _serve_greedy(model, tok, specs, after)
-        return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in events]
+        return _greedy_texts(model, tok, specs, _each_decoding(len(specs)))
 
     compiled = run()
-    assert modes[0] == "slots" and "eager" not in modes, modes
+    assert modes[0] == (1, "slots") and all(m != "eager" for _, m in modes), modes
     with ops.disabled("compiled_decode"):
         assert run() == compiled
-    assert set(modes) == {"eager"}
+    assert {m for _, m in modes} == {"eager"}
 
 
 def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypatch, caplog):
