@@ -16,7 +16,6 @@ import weakref
 from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from . import ops
@@ -595,7 +594,7 @@ def _model_entry(model) -> tuple[Any, dict, tuple]:
     """(weak ref to model, its dict of traces by key, the key's last part: its parameter arrays and the switches)."""
     from .ops import switch_key
 
-    params = tuple(id(a) for _, a in tree_flatten(model.parameters()))
+    params = model.parameter_ids()
     switches = switch_key()
     ref, steps = _SHARED.get(id(model), (None, None))
     if ref is None or ref() is not model:

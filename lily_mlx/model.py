@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
@@ -445,11 +446,21 @@ class Model(nn.Module):
         at load, and again after anything replaces weights (the fused path is skipped until then). `pack`: every
         quantized weight packed too (pack_weights; the compiled decoders ask for it with switch packed_weights, after
         loading, so a checkpoint's arrays are gone before their packed copies are made)."""
+        # Every compiled decoder calls this; with nothing replaced since the last call (the same parameter arrays), it
+        # has nothing to do, and one pass over the parameters costs less than its two walks of the modules.
+        key = (pack, self.parameter_ids())
+        if getattr(self, "_fused_for", None) == key:
+            return
         for fused in self.fused_groups():
             if fused.fuse(pack) and pack:
                 mx.clear_cache()  # see pack_weights
         if pack:
             self.pack_weights()
+        object.__setattr__(self, "_fused_for", (pack, self.parameter_ids()))  # not a parameter: outside the tree
+
+    def parameter_ids(self) -> tuple[int, ...]:
+        """The ids of every parameter array, in tree order: new arrays anywhere (an update, a re-fuse) give new ids."""
+        return tuple(id(a) for _, a in tree_flatten(self.parameters()))
 
     def fused_groups(self):
         """Every FusedLinears of the model (DeltaNet in-projections, attention q|k|v, router | shared-expert gate)."""

@@ -132,6 +132,29 @@ def test_token_dtypes_share_one_trace(tiny_checkpoints, monkeypatch):
     assert tok.dtype == mx.uint32 and len(traced) == 1
 
 
+def test_fuse_projections_runs_again_only_after_new_arrays(tiny_checkpoints, monkeypatch):
+    """Every compiled decoder calls fuse_projections: with the same parameter arrays it does nothing; after a fused
+    part's weight is replaced it concatenates again, and the fused matmul reads the new weight."""
+    from lily_mlx.layers import FusedLinears
+
+    model, _ = lily_mlx.load_model(tiny_checkpoints[0]["mlx"])  # fused at load
+    calls, real = [], FusedLinears.fuse
+    monkeypatch.setattr(FusedLinears, "fuse", lambda self, pack=False: calls.append(1) or real(self, pack))
+    model.fuse_projections()
+    assert calls == []
+    fused = next(model.fused_groups())
+    part = fused.parts()[0]
+    part.weight = part.weight * 2  # a new array: the fused concatenation no longer holds it
+    assert not fused.current()
+    model.fuse_projections()
+    assert len(calls) == len(list(model.fused_groups())) and fused.current()
+    n = part.weight.shape[0]
+    assert mx.array_equal(fused.arrays["weight"][:n], part.weight).item()
+    calls.clear()
+    model.fuse_projections()
+    assert calls == []
+
+
 def test_shared_traces_do_not_keep_a_dropped_model_alive(tiny_checkpoints):
     import gc
     import weakref
