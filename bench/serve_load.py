@@ -268,12 +268,12 @@ def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
             agg = [row["decode_tok_per_s"] for row in rows]
             med = statistics.median(agg)
             medians[arm] = med
-            pick = lambda k: statistics.median(v for row in rows if (v := row[k]) is not None) \
+            pick = lambda k, digits: round(statistics.median(v for row in rows if (v := row[k]) is not None), digits) \
                 if any(row[k] is not None for row in rows) else None  # noqa: E731
-            out.append({"concurrency": c, "arm": arm, "rounds": len(rows), "decode_tok_per_s": med,
+            out.append({"concurrency": c, "arm": arm, "rounds": len(rows), "decode_tok_per_s": round(med, 1),
                         "spread": round((max(agg) - min(agg)) / med, 3) if med else None,
-                        "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50"), "ttft_p50_s": pick("ttft_p50_s"),
-                        "errors": sum(row["errors"] for row in rows)})
+                        "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50", 1),
+                        "ttft_p50_s": pick("ttft_p50_s", 4), "errors": sum(row["errors"] for row in rows)})
         for other in ("stock", "baseline"):
             if "lily" in medians and medians.get(other):
                 for row in out:
