@@ -261,24 +261,22 @@ def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
         by_arm: dict[str, list[dict]] = {}
         for run in runs:
             by_arm.setdefault(run["arm"], []).extend(row for row in run["levels"] if row["concurrency"] == c)
-        medians = {}
+        level, medians = {}, {}
         for arm, rows in by_arm.items():
             if not rows:
                 continue
             agg = [row["decode_tok_per_s"] for row in rows]
-            med = statistics.median(agg)
-            medians[arm] = med
+            med = medians[arm] = statistics.median(agg)
             pick = lambda k, digits: round(statistics.median(v for row in rows if (v := row[k]) is not None), digits) \
                 if any(row[k] is not None for row in rows) else None  # noqa: E731
-            out.append({"concurrency": c, "arm": arm, "rounds": len(rows), "decode_tok_per_s": round(med, 1),
-                        "spread": round((max(agg) - min(agg)) / med, 3) if med else None,
-                        "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50", 1),
-                        "ttft_p50_s": pick("ttft_p50_s", 4), "errors": sum(row["errors"] for row in rows)})
+            level[arm] = {"concurrency": c, "arm": arm, "rounds": len(rows), "decode_tok_per_s": round(med, 1),
+                          "spread": round((max(agg) - min(agg)) / med, 3) if med else None,
+                          "per_sequence_tok_per_s_p50": pick("per_sequence_tok_per_s_p50", 1),
+                          "ttft_p50_s": pick("ttft_p50_s", 4), "errors": sum(row["errors"] for row in rows)}
         for other in ("stock", "baseline"):
-            if "lily" in medians and medians.get(other):
-                for row in out:
-                    if row["concurrency"] == c and row["arm"] == "lily":
-                        row[f"x_{other}"] = round(medians["lily"] / medians[other], 2)
+            if "lily" in level and medians.get(other):
+                level["lily"][f"x_{other}"] = round(medians["lily"] / medians[other], 2)
+        out += level.values()
     return out
 
 

@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import ops
 from .ops import attn_decode, kernels
@@ -364,9 +364,8 @@ class SlotBatchDecoder:
         self.kv = [(_empty_rows(layout[i].keys, slots, capacity), _empty_rows(layout[i].values, slots, capacity))
                    for i in self.kv_index]
         self.states = [(_empty_rows(layout[i][0], slots), _empty_rows(layout[i][1], slots)) for i in self.state_index]
-        self.start = [self.idx] * slots  # left_padding on the host; a free slot sees its own columns only
-        self.left_padding = mx.array(self.start, dtype=mx.int32)
-        self.offset = mx.zeros((slots,), dtype=mx.int32)
+        self.start = [self.idx] * slots  # each slot's first column; a free slot sees its own columns only
+        self._place()
         self.free = list(range(slots))
         self._fn = _shared_step(model, self.n_cache, self.kv_index, self.state_index, "batch")
 
@@ -400,8 +399,7 @@ class SlotBatchDecoder:
             for arr, new in zip(self.states[j], cache[i].cache):  # None: a sequence not prefilled starts from zeros
                 arr[s:s + 1] = 0 if new is None else new
         self.start[s] = start
-        self.left_padding[s] = start
-        self.offset[s] = length
+        self._place()
         return s
 
     def leave(self, slot: int) -> None:
@@ -410,13 +408,12 @@ class SlotBatchDecoder:
     def grow(self, slots: int) -> None:
         """Free slots added up to `slots` (the arrays copied once; a new shape traces once)."""
         extra = slots - self.slots
-        more = lambda a: mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), dtype=a.dtype)])  # noqa: E731
+        more = lambda a: mx.concatenate([a, _empty_rows(a, extra)])  # noqa: E731
         self.kv = [(more(k), more(v)) for k, v in self.kv]
         self.states = [(more(c), more(s)) for c, s in self.states]
         self.free += list(range(self.slots, slots))
         self.start += [self.idx] * extra
-        self.left_padding = mx.array(self.start, dtype=mx.int32)
-        self.offset = more(self.offset)
+        self._place()
 
     def compact(self, slots: int) -> dict[int, int]:
         """The taken slots moved to the first ones of a batch of `slots` -> {old slot: new slot}."""
@@ -428,7 +425,7 @@ class SlotBatchDecoder:
         self.kv = [(k[at], v[at]) for k, v in self.kv]
         self.states = [(c[at], s[at]) for c, s in self.states]
         self.start = [self.start[s] for s in picked]
-        self.left_padding, self.offset = self.left_padding[at], self.offset[at]
+        self._place()
         self.free = list(range(len(taken), slots))
         return {old: new for new, old in enumerate(taken)}
 
@@ -452,7 +449,13 @@ class SlotBatchDecoder:
         self.kv = [(moved(k), moved(v)) for k, v in self.kv]
         self.idx += columns
         self.start = [s + columns for s in self.start]
+        self._place()
+
+    def _place(self) -> None:
+        """The step's inputs from the host's `start` and `idx`: left_padding [slots], and offset [slots], each row's
+        token count (idx - start; a step then returns it one further, as idx moves)."""
         self.left_padding = mx.array(self.start, dtype=mx.int32)
+        self.offset = mx.array([self.idx - s for s in self.start], dtype=mx.int32)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         if self.idx + tokens.shape[1] > self.kv[0][0].shape[2]:

@@ -45,7 +45,7 @@ from ..ops import DECODE_KERNEL_ROWS
 from ..ops.kernels import row_bucket
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
-from .prefix_cache import PrefixCache, restore, snapshot
+from .prefix_cache import PrefixCache, Snapshot, restore, snapshot
 from .schema import APIError, BadRequest, SamplingParams
 
 log = logging.getLogger("lily_mlx.server")
@@ -401,15 +401,14 @@ class Engine:
             if len(self._rows) + job.req.params.n > self.max_batch:
                 return  # wait for rows to free up
             self._jobs.popleft()
-            self._admit(job)
+            self._admit(job, self.prefix_cache.lookup(job.tokens, job.snaps))
             if job.pos == len(job.tokens) - 1:
                 self._add_rows(job)
             else:
                 self._prefill = job
 
-    def _admit(self, job: Job) -> None:
-        """A queued job's prompt cache: from the prefix cache's deepest snapshot of its prompt, else empty."""
-        snap = self.prefix_cache.lookup(job.tokens, job.snaps)
+    def _admit(self, job: Job, snap: Optional[Snapshot]) -> None:
+        """A queued job's prompt cache: from snap (the prefix cache's lookup of its prompt), else empty."""
         if self.prefix_cache.enabled:
             self.metrics.cache_lookups.labels("hit" if snap else "miss").inc()
         if snap is not None:
@@ -471,9 +470,9 @@ class Engine:
             longest = max(len(j.tokens) - 1 for j in (*group, job))
             if rows + job.req.params.n > self.max_batch or longest * (len(group) + 1) > self.prefill_step \
                     or not self._whole(job) or self.prefix_cache.lookup(job.tokens, job.snaps) is not None:
-                break
+                break  # a job the prefix cache resumes is admitted alone, where it is looked up again
             self._jobs.popleft()
-            self._admit(job)
+            self._admit(job, None)
             group.append(job)
             rows += job.req.params.n
         return group
