@@ -10,6 +10,11 @@ generator at --decode-concurrency of the largest level) too, a fresh process per
 alternating for --rounds rounds; the table then gives each arm's median and lily's ratio to stock. Arm
 `baseline` is lily's server from another tree (--baseline DIR, e.g. `git archive REV lily_mlx kernels | tar -x -C
 DIR`), run from inside it so that its own lily_mlx is the one imported; the table gives lily's ratio to it too.
+Arm `lily+NAME` is this tree's server with switch NAME opted into (LILY_MLX_ENABLE), e.g. `--arms lily,lily+batched_prefill`
+for a switch's A/B on one machine; the table gives its ratio to plain lily.
+
+A request that receives nothing for --stall-timeout seconds counts as an error and ends its level (a stalled server
+must not hang the bench), and a started server is killed when this process dies (Linux: PR_SET_PDEATHSIG).
 
     python -m bench.serve_load --tiny --concurrency 1,8,32
     python -m bench.serve_load --model PATH --max-tokens 128 --json results.json
@@ -44,38 +49,48 @@ def _prompt(i: int, words: int) -> str:
     return f"Request {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
 
 
+class Stalled(Exception):
+    pass
+
+
 def _one(client: httpx.Client, body: dict) -> dict:
     t0 = time.perf_counter()
     ttft, usage, reason = None, None, None
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(f"error event: {ev['error']}")
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                if ttft is None and ch.get("text"):
-                    ttft = time.perf_counter() - t0
-                reason = ch.get("finish_reason") or reason
+        try:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    raise RuntimeError(f"error event: {ev['error']}")
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for ch in ev.get("choices", []):
+                    if ttft is None and ch.get("text"):
+                        ttft = time.perf_counter() - t0
+                    reason = ch.get("finish_reason") or reason
+        except httpx.ReadTimeout as e:
+            raise Stalled(f"nothing received for {client.timeout.read} s, {time.perf_counter() - t0:.1f} s into "
+                          "the request") from e
     return {"latency": time.perf_counter() - t0, "ttft": ttft, "tokens": usage["completion_tokens"], "finish": reason}
 
 
-def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int, bar: list[int], offset: int) -> dict:
+def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, prompt_words: int, bar: list[int], offset: int,
+              stall_timeout: float = 120) -> dict:
     results, errors = [], []
     lock = threading.Lock()
     next_i = [0]
+    stalled = threading.Event()
 
     def worker():
-        with httpx.Client(base_url=url, timeout=600) as c:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(stall_timeout, connect=10)) as c:
             while True:
                 with lock:
                     i = next_i[0]
-                    if i >= n_requests:
+                    if i >= n_requests or stalled.is_set():
                         return
                     next_i[0] += 1
                 body = {"prompt": _prompt(offset + i, prompt_words), "max_tokens": max_tokens, "temperature": 0,
@@ -85,8 +100,10 @@ def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, prom
                     with lock:
                         results.append(res)
                 except Exception as e:  # noqa: BLE001 (counted and reported)
+                    if isinstance(e, Stalled):
+                        stalled.set()
                     with lock:
-                        errors.append(str(e))
+                        errors.append(f"{type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t0 = time.perf_counter()
@@ -99,7 +116,8 @@ def run_level(url: str, concurrency: int, n_requests: int, max_tokens: int, prom
     per_seq = [r["tokens"] / (r["latency"] - r["ttft"]) for r in results if r["ttft"] is not None and r["latency"] > r["ttft"]]
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     return {
-        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
+        "concurrency": concurrency, "requests": len(results), "errors": n_requests - len(results),
+        "first_error": errors[0] if errors else None,
         "wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 3), "decode_tok_per_s": round(tokens / wall, 1),
         "completion_tokens": tokens, "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
         "latency_p50_s": round(statistics.median(r["latency"] for r in results), 4) if results else None,
@@ -113,7 +131,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-ARMS = ("lily", "stock", "baseline")
+ARMS = ("lily", "stock", "baseline", "lily+SWITCH")
+
+
+def _arm_switches(arm: str) -> list[str]:
+    """lily+a+b -> [a, b]: the switches that arm opts into."""
+    return arm.split("+")[1:] if arm.startswith("lily+") else []
+
+
+def _die_with_parent() -> None:
+    # A bench killed at its time limit must not leave its server holding the GPU and the log's pipe.
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
@@ -121,13 +151,15 @@ def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
     port = _free_port()
     root = baseline if arm == "baseline" else REPO  # `python -m` imports from its working directory first
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if _arm_switches(arm):
+        env["LILY_MLX_ENABLE"] = ",".join(filter(None, [os.environ.get("LILY_MLX_ENABLE", ""), *_arm_switches(arm)]))
     if arm == "stock":
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--decode-concurrency",
                str(max_batch), "--log-level", "WARNING"]
     else:
         cmd = [sys.executable, "-m", "lily_mlx.server", "--model", model, "--port", str(port), "--max-batch",
                str(max_batch), "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env=env, cwd=root)
+    proc = subprocess.Popen(cmd, env=env, cwd=root, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -165,9 +197,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--bar-token", type=int, action="append", default=None, help="token ids barred with logit_bias -100 (default: EOS)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started lily server (repeatable)")
-    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock, baseline (default lily)")
+    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock, baseline, lily+SWITCH "
+                   "(lily with that switch opted into) (default lily)")
     p.add_argument("--baseline", type=Path, help="the tree arm `baseline` serves from (a folder holding a lily_mlx package)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternating (default 1)")
+    p.add_argument("--stall-timeout", type=float, default=120,
+                   help="seconds a request may receive nothing before it counts as an error and ends its level (default 120)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -175,14 +210,23 @@ def main(argv=None) -> int:
     if any(not 1 <= c <= 256 for c in levels) or args.requests_per_client < 1:
         p.error("concurrency must be in 1..256 and --requests-per-client >= 1")
     arms = args.arms.split(",")
-    if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms):
+    if not arms or any(a not in ARMS[:3] and not _arm_switches(a) for a in arms) or len(set(arms)) != len(arms):
         p.error(f"--arms takes distinct names of {', '.join(ARMS)}, got {args.arms!r}")
+    if any(_arm_switches(a) for a in arms):
+        from lily_mlx import ops
+        from lily_mlx.server import engine  # noqa: F401 (registers the server's switches)
+
+        unknown = sorted({n for a in arms for n in _arm_switches(a)} - set(ops.KERNEL_NAMES))
+        if unknown:
+            p.error(f"--arms: unknown switch {', '.join(unknown)}; known: {', '.join(sorted(ops.KERNEL_NAMES))}")
     if ("baseline" in arms) != (args.baseline is not None):
         p.error("arm baseline and --baseline DIR go together")
     if args.baseline is not None and not (args.baseline / "lily_mlx" / "server" / "__main__.py").is_file():
         p.error(f"--baseline {args.baseline}: no lily_mlx server package in it")
     if not 1 <= args.rounds <= 20:
         p.error(f"--rounds must be in 1..20, got {args.rounds}")
+    if args.stall_timeout <= 0:
+        p.error(f"--stall-timeout must be > 0, got {args.stall_timeout}")
     if args.url and (arms != ["lily"] or args.rounds != 1):
         p.error("--arms and --rounds start servers; --url measures one that runs already")
     total = sum(c * (args.requests_per_client + 1) for c in levels) * len(arms) * args.rounds
@@ -236,9 +280,10 @@ def main(argv=None) -> int:
 def _run_levels(url: str, levels: list[int], args, bar: list[int], run: dict, write) -> None:
     offset = 0
     for c in levels:
-        run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset)  # warm-up
+        run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset, args.stall_timeout)  # warm-up
         offset += c
-        row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset)
+        row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset,
+                        args.stall_timeout)
         offset += c * args.requests_per_client
         run["levels"].append(row)
         print(json.dumps({"arm": run["arm"], **row}), flush=True)
@@ -255,7 +300,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
     """Per level and arm: the median over rounds of the aggregate and per-sequence tok/s and TTFT, the aggregate's
-    spread ((max - min) / median), and lily's aggregate over stock's and over the baseline's where they ran."""
+    spread ((max - min) / median), lily's aggregate over stock's and over the baseline's where they ran, and each
+    lily+SWITCH arm's over lily's."""
     out = []
     for c in levels:
         by_arm: dict[str, list[dict]] = {}
@@ -276,17 +322,20 @@ def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
         for other in ("stock", "baseline"):
             if "lily" in level and medians.get(other):
                 level["lily"][f"x_{other}"] = round(medians["lily"] / medians[other], 2)
+        for arm in level:
+            if _arm_switches(arm) and medians.get("lily"):
+                level[arm]["x_lily"] = round(medians[arm] / medians["lily"], 2)
         out += level.values()
     return out
 
 
 def _print_table(runs: list[dict], levels: list[int]) -> None:
-    print("\n| clients | server | rounds | decode tok/s (aggregate, median) | spread | x stock | x baseline "
+    print("\n| clients | server | rounds | decode tok/s (aggregate, median) | spread | x stock | x baseline | x lily "
           "| per-sequence tok/s (p50) | TTFT p50 (s) | errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in _summary(runs, levels):
         print(f"| {r['concurrency']} | {r['arm']} | {r['rounds']} | {r['decode_tok_per_s']} | {r['spread']} "
-              f"| {r.get('x_stock', '')} | {r.get('x_baseline', '')} | {r['per_sequence_tok_per_s_p50']} "
+              f"| {r.get('x_stock', '')} | {r.get('x_baseline', '')} | {r.get('x_lily', '')} | {r['per_sequence_tok_per_s_p50']} "
               f"| {r['ttft_p50_s']} | {r['errors']} |")
 
 

@@ -318,9 +318,11 @@ step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --j
 if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
 fi
-for enable in "" "batched_attn_decode" "batched_prefill"; do
-  step 120 150 "server at 8 clients${enable:+, $enable}" env LILY_MLX_ENABLE="$enable" python3 -m bench.serve_load \
-    --model "$model" --concurrency 8 --requests-per-client 2 --max-tokens 64 --json "$res/serve8${enable:+_$enable}.json"
+# The opt-in server switches against the defaults, alternating, a fresh server per arm and round.
+for enable in batched_prefill batched_attn_decode; do
+  step 150 240 "server at 8 clients, $enable on vs off" python3 -m bench.serve_load --model "$model" \
+    --arms "lily,lily+$enable" --rounds 2 --concurrency 8 --requests-per-client 2 --max-tokens 64 \
+    --json "$res/serve8_$enable.json"
 done
 # The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
 for disable in "" server_pipeline; do

@@ -583,12 +583,19 @@ def test_chain_trace_needs_its_define(kernel_env):
 
 
 def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_path, capsys, monkeypatch):
-    """bench.serve_load --arms lily,stock,baseline: the three servers started in turn on the tiny checkpoint (the
-    baseline from its own tree: a copy whose package notes each import), every request generating exactly
-    --max-tokens (EOS barred), and the summary giving lily's aggregate over stock's and over the baseline's."""
+    """bench.serve_load --arms lily,stock,baseline,lily+batched_prefill: the four servers started in turn on the tiny
+    checkpoint (the baseline from its own tree: a copy whose package notes each import; the last with the switch opted
+    into), every request generating exactly --max-tokens (EOS barred), and the summary giving lily's aggregate over
+    stock's and over the baseline's, and the switch arm's over lily's."""
     import shutil
+    import subprocess
 
     from bench import serve_load
+
+    envs = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(serve_load.subprocess, "Popen", lambda cmd, env, **kw: envs.append(env) or real_popen(cmd, env=env, **kw))
+    monkeypatch.setenv("LILY_MLX_ENABLE", "batched_attn_decode")
 
     repo = Path(__file__).resolve().parent.parent
     tree, mark = tmp_path / "baseline", tmp_path / "imported"
@@ -597,11 +604,13 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     init = tree / "lily_mlx" / "__init__.py"
     init.write_text(f"open({str(mark)!r}, 'a').write('imported\\n')\n" + init.read_text())
     out = tmp_path / "serve.json"
-    assert serve_load.main(["--tiny", "--arms", "lily,stock,baseline", "--baseline", str(tree), "--concurrency", "2",
+    arms = ["lily", "stock", "baseline", "lily+batched_prefill"]
+    assert serve_load.main(["--tiny", "--arms", ",".join(arms), "--baseline", str(tree), "--concurrency", "2",
                             "--requests-per-client", "1", "--max-tokens", "5", "--json", str(out)]) == 0
     assert mark.read_text() == "imported\n"  # the baseline's server, and only it, ran the copy
+    assert [e["LILY_MLX_ENABLE"] for e in envs] == ["batched_attn_decode"] * 3 + ["batched_attn_decode,batched_prefill"]
     report = json.loads(out.read_text())
-    assert [r["arm"] for r in report["runs"]] == ["lily", "stock", "baseline"]
+    assert [r["arm"] for r in report["runs"]] == arms
     for run in report["runs"]:
         (row,) = run["levels"]
         assert row["errors"] == 0 and row["requests"] == 2 and row["completion_tokens"] == 10
@@ -610,9 +619,65 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     for other in ("stock", "baseline"):
         assert lily[f"x_{other}"] == round(lily["decode_tok_per_s"] / by_arm[other]["decode_tok_per_s"], 2)
         assert f"x_{other}" not in by_arm[other]
+    switch = by_arm["lily+batched_prefill"]
+    assert switch["x_lily"] == round(switch["decode_tok_per_s"] / lily["decode_tok_per_s"], 2) and "x_lily" not in lily
     assert "| 2 | stock | 1 |" in capsys.readouterr().out
     for bad in (["--arms", "lily,vllm"], ["--arms", "lily,lily"], ["--rounds", "0"], ["--arms", "lily,baseline"],
+                ["--arms", "lily,lily+no_such_switch"], ["--arms", "stock+batched_prefill"], ["--stall-timeout", "0"],
                 ["--baseline", str(tmp_path), "--arms", "baseline"], ["--url", "http://127.0.0.1:9", "--arms", "stock"]):
         with pytest.raises(SystemExit) as e:
             serve_load.main(["--tiny", *bad] if "--url" not in bad else bad)
         assert e.value.code == 2
+
+
+def test_serve_load_ends_a_level_on_a_stalled_server_and_its_servers_die_with_it(tmp_path):
+    """A server that answers 200 and then sends nothing: each request counts as an error after --stall-timeout and the
+    level ends instead of waiting for it; and a server started by serve_load is killed when serve_load dies."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from bench import serve_load
+
+    release = threading.Event()
+
+    class Stalling(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"data: {}\n\n")
+            self.wfile.flush()
+            release.wait(30)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        row = serve_load.run_level(f"http://127.0.0.1:{server.server_port}", 2, 6, 4, 3, [], 0, stall_timeout=0.5)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        server.shutdown()
+    assert took < 5 and row["requests"] == 0 and row["errors"] == 6
+    assert row["first_error"].startswith("Stalled: nothing received for 0.5 s")
+
+    # A parent that starts a child the way serve_load starts its servers, then is killed outright.
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time; from bench import serve_load; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=serve_load._die_with_parent); "
+        "print(c.pid, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parent.parent)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    status = Path(f"/proc/{child}/status")
+    deadline = time.monotonic() + 10
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not status.exists() or "State:\tZ" in status.read_text(), "the child outlived its parent"
