@@ -924,6 +924,53 @@ def test_warm_up_runs_one_batch_per_kernel_build_before_ready(tiny_dir, monkeypa
     assert cold == [] and text3 == text and text
 
 
+@pytest.mark.parametrize("batched_prefill", [False, True])
+def test_warm_up_launches_every_kernel_the_first_requests_launch(tiny_dir, batched_prefill):
+    """With the CUDA path traced on this CPU (each kernel launch a stand-in that records the source MLX would build),
+    the requests after the warm-up launch no kernel it did not: prompts of 3 to 300 tokens arriving together,
+    prefilled alone or grouped and decoded in slots, their logprobs. The prefill's kernels, picked by rows, and the
+    logprobs kernel were built inside the first requests before (30 s of no output on a cold H100, run 91)."""
+    import re
+    from unittest import mock
+
+    import lily_mlx
+    from bench.step_dispatch import standin
+    from lily_mlx import ops
+    from lily_mlx.ops import kernel_cache, kernels
+    from lily_mlx.server.engine import Engine, Request
+    from lily_mlx.server.output import ChoiceOutput
+    from lily_mlx.server.schema import SamplingParams
+
+    built: dict[str, set] = {"warm-up": set(), "requests": set()}
+    phase = ["warm-up"]
+
+    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+        source = kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template, output_dtypes)[1]
+        kernel = re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1)
+        built[phase[0]].add((name, kernel_cache.module_name(kernel, source)))
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
+
+    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
+            mock.patch.object(kernels, "sm_count", lambda: 132), ops.switched("batched_prefill", batched_prefill):
+        model, tok = lily_mlx.load(str(tiny_dir))
+        engine = Engine(lambda: (model, tok), max_batch=4, warmup=True).start()
+        try:
+            assert engine.ready.wait(120)
+            phase[0] = "requests"
+            reqs = [Request([[5 + i] * n], [[]], [3], SamplingParams(temperature=0), [ChoiceOutput(tok, [], chat=False)],
+                            lambda events: None, 120) for i, n in enumerate((3, 17, 40, 130, 300))]
+            for req in reqs:
+                engine.submit(req)
+            deadline = time.monotonic() + 120
+            while not all(r.finished for r in reqs):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            engine.stop()
+    assert {"deltanet_chunk", "moe_sort", "logprobs"} <= {name for name, _ in built["requests"]}  # the CUDA path ran
+    assert built["requests"] <= built["warm-up"], sorted(name for name, _ in built["requests"] - built["warm-up"])
+
+
 def test_pipelined_decode_equals_unpipelined(tiny_dir):
     """server_pipeline queues each step before the host reads the last: a lone greedy sequence, then a mixed batch
     joining and leaving (seeded sampling with top logprobs, n=2, a stop string, logit_bias, the three penalties,

@@ -53,7 +53,7 @@ def build_parser(prog: str = "lily-mlx serve") -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=_positive(float), default=30.0, help="seconds to receive a request body (default 30)")
     p.add_argument("--drain-timeout", type=_positive(float), default=30.0, help="seconds SIGTERM waits for open requests (default 30)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip building the decode kernels for every batch size before /health says ready")
+                   help="skip building the decode and prefill kernels before /health says ready")
     p.add_argument("--prefill-step", type=_positive(int), default=512, help="prompt tokens per prefill chunk (default 512)")
     p.add_argument("--prefix-cache-bytes", type=_size, default=2 << 30, help="prefix cache size, 0 disables (default 2G)")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help='JSON for apply_chat_template, e.g. \'{"enable_thinking": false}\'')

@@ -294,23 +294,36 @@ class Engine:
                 self.on_death(e)
 
     def _warm_up(self) -> None:
-        """Runs the decode step of every kernel row bucket up to --max-batch once, as the loop will run it, so the
-        GPU kernels' JIT builds (seconds each on a machine without MLX's kernel cache) and the slot batches' traces
-        at a short prompt's capacity happen before /health says ready, not inside the first requests."""
+        """Runs once what the first requests would otherwise build inside them (a GPU kernel's JIT build takes seconds
+        on a machine without MLX's kernel cache), before /health says ready: the decode step of every kernel row
+        bucket up to --max-batch as the loop runs it (compiled alone or in slots, traced at a short prompt's
+        capacity) and its logprobs; and prefills of 2, 4, 8, ... up to --prefill-step tokens, as the prefill's kernels
+        and their tiles are picked by rows, with batched_prefill also as two prompts prefilled together."""
         t0 = time.monotonic()
         top = min(self.max_batch, DECODE_KERNEL_ROWS)
         for b in sorted({min(row_bucket(n), top) for n in range(1, top + 1)}):  # one batch per kernel build
             cache = self.model.make_cache()
             self.model(mx.zeros((1, 1), mx.int32), cache=cache)
             if b == 1 and CompiledDecoder.applicable(self.model, cache):
-                mx.eval(CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32)))
-            if b > 1 and SlotBatchDecoder.applicable(self.model, cache):  # traced at a short prompt's capacity too
+                logits = CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32))
+            elif b > 1 and SlotBatchDecoder.applicable(self.model, cache):
                 slots = SlotBatchDecoder(self.model, cache, row_bucket(b))
                 slots.join(cache)
-                mx.eval(slots(mx.zeros((slots.slots, 1), mx.int32)))
+                logits = slots(mx.zeros((slots.slots, 1), mx.int32))
             else:
-                mx.eval(self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b)))
-        log.info("warm-up: decode steps of 1 to %d rows built in %.1f s", top, time.monotonic() - t0)
+                logits = self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b))[:, -1, :]
+            mx.eval(ops.to_logprobs(logits.astype(mx.float32), greedy=True))
+        lengths = sorted({min(2 ** i, self.prefill_step) for i in range(1, self.prefill_step.bit_length() + 1)})
+        grouped = ops.enabled("batched_prefill") and self.max_batch > 1
+        for n in lengths:
+            with bounded_prefill():
+                cache = self.model.make_cache()
+                self.model(mx.zeros((1, n), mx.int32), cache=cache)
+                mx.eval([c.state for c in cache])
+                if grouped and 2 * n <= self.prefill_step:  # one of them padded
+                    mx.eval([c.state for c in self._prefill_rows([[0] * n, [0] * (n - 1)])])
+        log.info("warm-up: decode steps of 1 to %d rows, prefills of %s tokens, built in %.1f s", top,
+                 "/".join(map(str, lengths)), time.monotonic() - t0)
 
     def _iteration(self) -> bool:
         with self._cv:
@@ -481,14 +494,10 @@ class Engine:
         """The jobs' prompts (but their last tokens) in one forward, left-padded to the longest over mlx-lm's
         BatchKVCache / ArraysCache (the padding masked), each row then taken out as its job's own cache."""
         lengths = [len(j.tokens) - 1 for j in group]
-        pad = [max(lengths) - n for n in lengths]
-        tokens = mx.array([[0] * p + j.tokens[:n] for j, p, n in zip(group, pad, lengths)])  # [B, longest]
-        cache = [BatchKVCache(pad) if type(c) is KVCache else ArraysCache(len(c.cache), left_padding=pad)
-                 for c in group[0].cache]
         self._prefill = None
         try:
             with bounded_prefill():
-                self.model(tokens, cache=cache)
+                cache = self._prefill_rows([j.tokens[:n] for j, n in zip(group, lengths)])
                 mx.eval([c.state for c in cache])
             for i, job in enumerate(group):
                 job.cache, job.pos = [c.extract(i) for c in cache], lengths[i]
@@ -501,6 +510,17 @@ class Engine:
             return
         for job in group:
             self._add_rows(job)
+
+    def _prefill_rows(self, prompts: list[list[int]]) -> list:
+        """The prompts in one forward, left-padded to the longest -> its cache: mlx-lm's BatchKVCache / ArraysCache
+        (the padding masked), one row a prompt."""
+        longest = max(map(len, prompts))
+        pad = [longest - len(t) for t in prompts]
+        tokens = mx.array([[0] * p + t for p, t in zip(pad, prompts)])  # [B, longest]
+        cache = [BatchKVCache(pad) if type(c) is KVCache else ArraysCache(len(c.cache), left_padding=pad)
+                 for c in self.model.make_cache()]
+        self.model(tokens, cache=cache)
+        return cache
 
     def _add_rows(self, job: Job) -> None:
         req, n = job.req, job.req.params.n
