@@ -13,7 +13,8 @@ DIR`), run from inside it so that its own lily_mlx is the one imported; the tabl
 Arm `lily+NAME` is this tree's server with switch NAME opted into (LILY_MLX_ENABLE), e.g. `--arms lily,lily+batched_prefill`
 for a switch's A/B on one machine; the table gives its ratio to plain lily.
 
-A request that receives nothing for --stall-timeout seconds counts as an error and ends its level (a stalled server
+Each level's row keeps its warm-up requests' wall time and TTFT too (`warm_up`): after a cold start, the first
+requests' wait. A request that receives nothing for --stall-timeout seconds counts as an error and ends its level (a stalled server
 must not hang the bench), and a started server is killed when this process dies (Linux: PR_SET_PDEATHSIG).
 
     python -m bench.serve_load --tiny --concurrency 1,8,32
@@ -280,10 +281,11 @@ def main(argv=None) -> int:
 def _run_levels(url: str, levels: list[int], args, bar: list[int], run: dict, write) -> None:
     offset = 0
     for c in levels:
-        run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset, args.stall_timeout)  # warm-up
+        warm = run_level(url, c, c, args.max_tokens, args.prompt_words, bar, offset, args.stall_timeout)
         offset += c
         row = run_level(url, c, c * args.requests_per_client, args.max_tokens, args.prompt_words, bar, offset,
                         args.stall_timeout)
+        row["warm_up"] = {k: warm[k] for k in ("errors", "wall_s", "ttft_p50_s")}  # a cold start's first requests
         offset += c * args.requests_per_client
         run["levels"].append(row)
         print(json.dumps({"arm": run["arm"], **row}), flush=True)

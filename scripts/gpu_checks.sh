@@ -341,6 +341,11 @@ if [ -n "${BASELINE:-}" ]; then
     --arms lily,baseline --baseline "$BASELINE" --rounds 2 --concurrency 1,8 \
     ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} --json "$res/serve_vs_baseline.json"
 fi
+# A cold start: the server with MLX's kernel cache empty (no prebuilt kernels), its warm-up building every kernel
+# before /health (the "ready in" line), then one client: the first request's TTFT is its level's warm_up row.
+step 150 240 "server cold start: warm-up, then the first request" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
+  python3 -m bench.serve_load --model "$model" --concurrency 1 --requests-per-client 2 --max-tokens 64 \
+  --json "$res/serve_cold.json"
 # The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8
 # clients decoded 336 tok/s in all (H100 run 89, before the slots), ~55 a sequence, against ~480 for one.
 for disable in "" compiled_decode; do

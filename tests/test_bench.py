@@ -614,6 +614,7 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     for run in report["runs"]:
         (row,) = run["levels"]
         assert row["errors"] == 0 and row["requests"] == 2 and row["completion_tokens"] == 10
+        assert row["warm_up"]["errors"] == 0 and 0 < row["warm_up"]["ttft_p50_s"] <= row["warm_up"]["wall_s"]
     by_arm = {r["arm"]: r for r in report["summary"]}
     lily = by_arm["lily"]
     for other in ("stock", "baseline"):
