@@ -131,12 +131,13 @@ def nvcc_include() -> Path:
 
 
 def decode_step_launches(switches: tuple[str, ...], context: int, widths: Optional[dict] = None,
-                         sms: int = 132, tokens: int = 1, resident: bool = False) -> list[tuple]:
+                         sms: int = 132, tokens: int = 1, resident: bool = False, rows: int = 1) -> list[tuple]:
     """(kernel, grid blocks, block threads, dynamic shared bytes, full CUDA source) of each launch of one compiled
     decode step at the 35B-A3B widths (or `widths` overriding them; 4 layers, zero weights) under `switches` (names
     on, "-name" off, the rest as CUDA's defaults), traced on the CPU as the CUDA path builds it on a GPU of `sms`
     multiprocessors, with a cache of capacity about `context`; over `tokens` > 1, MTP's verify forward instead, and
-    with `resident` then the resident loop's forward too (mtp_resident: its states picked on the GPU)."""
+    with `resident` then the resident loop's forward too (mtp_resident: its states picked on the GPU); with `rows` > 1,
+    the server's step of that many slots taken (SlotBatchDecoder, capacity about 512)."""
     import contextlib
     from unittest import mock
 
@@ -148,7 +149,7 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
     from bench.step_dispatch import standin
     from lily_mlx import ops
     from lily_mlx.config import ModelConfig
-    from lily_mlx.decode import CompiledDecoder, CompiledVerifier
+    from lily_mlx.decode import CompiledDecoder, CompiledVerifier, SlotBatchDecoder
     from lily_mlx.model import Model
 
     cfg = ModelConfig.from_dict(random_model.config_json("35b-a3b", {**(widths or {}), "num_hidden_layers": 4}, 0, 4, 64,
@@ -176,9 +177,14 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
         model.fuse_projections()
         cache = model.make_cache()
         model(mx.array([[1]]), cache=cache)
-        dec = (CompiledDecoder if tokens == 1 else CompiledVerifier)(model, cache, reserve=context)
+        if rows > 1:
+            dec = SlotBatchDecoder(model, cache, rows)
+            for _ in range(rows):
+                dec.join(cache)
+        else:
+            dec = (CompiledDecoder if tokens == 1 else CompiledVerifier)(model, cache, reserve=context)
         with mock.patch.object(kernels, "launch", counted):
-            tokens_in = mx.ones((1, tokens), dtype=mx.int32)
+            tokens_in = mx.ones((rows, tokens), dtype=mx.int32)
             mx.eval(dec(tokens_in))
             if resident:
                 states = list(dec.states)
@@ -187,10 +193,11 @@ def decode_step_launches(switches: tuple[str, ...], context: int, widths: Option
     return launched
 
 
-def decode_step_table(switches: tuple[str, ...], context: int, sms: int, jobs: int, tokens: int = 1) -> list[dict]:
+def decode_step_table(switches: tuple[str, ...], context: int, sms: int, jobs: int, tokens: int = 1,
+                      rows: int = 1) -> list[dict]:
     """One row a distinct launch of decode_step_launches, in step order: its calls in the 4 layers, grid, block,
     registers, shared memory, blocks an SM (and the limit), waves on `sms` SMs and the last wave's share."""
-    launched = decode_step_launches(switches, context, sms=sms, tokens=tokens)
+    launched = decode_step_launches(switches, context, sms=sms, tokens=tokens, rows=rows)
     rows: dict[tuple, dict] = {}
     for name, blocks, threads, smem, source in launched:
         key = (name, blocks, threads, smem, source)
@@ -219,14 +226,17 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=64, help="--decode-step: the cache's capacity, about")
     ap.add_argument("--sms", type=int, default=132, help="--decode-step: the GPU's SMs (H100 SXM and H200: 132)")
     ap.add_argument("--tokens", type=int, default=1, help="--decode-step: tokens a step (more: MTP's verify forward)")
+    ap.add_argument("--rows", type=int, default=1, help="--decode-step: the server's step of this many slots instead")
     a = ap.parse_args(argv)
     if a.decode_step:
         switches = tuple(n for n in a.enable.split(",") if n)
-        print(f"decode step, {a.tokens} token(s), 35B-A3B widths, 4 layers, context ~{a.context}, {a.sms} SMs, "
+        if a.rows > 1 and a.tokens > 1:
+            ap.error("--rows and --tokens: the server's slot step decodes one token a row")
+        print(f"decode step, {a.rows} row(s) x {a.tokens} token(s), 35B-A3B widths, 4 layers, context ~{a.context}, {a.sms} SMs, "
               f"switches on: {', '.join(switches) or 'defaults'}")
         print(f"{'kernel':26s} {'calls':>5s} {'blocks':>6s} {'threads':>7s} {'regs':>4s} {'smem KB':>7s} "
               f"{'blocks/SM':>9s} {'limit':13s} {'waves':>5s} {'last wave':>9s}")
-        for r in decode_step_table(switches, a.context, a.sms, a.jobs, a.tokens):
+        for r in decode_step_table(switches, a.context, a.sms, a.jobs, a.tokens, a.rows):
             print(f"{r['kernel']:26s} {r['calls']:5d} {r['blocks']:6d} {r['threads']:7d} {r['regs']:4d} "
                   f"{r['shared'] / 1024:7.1f} {r['per_sm']:9d} {r['limiter']:13s} {r['waves']:5d} "
                   f"{r['last_wave']:9.0%}" + (f"  {r['spill']} B spilled" if r["spill"] else ""))

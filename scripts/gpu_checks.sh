@@ -352,9 +352,10 @@ for disable in "" compiled_decode; do
   step 60 120 "the server's 8-row step on the GPU's timeline${disable:+, $disable off}" env LILY_MLX_DISABLE="$disable" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --batch 8 --json "$res/timeline_batch8${disable:+_eager}.json"
 done
-# qmv at 8 rows is 3.7 of the 8-slot step's 7.9 ms (run 90), its instances 232-255 registers a lane at the plan's
-# RPS=2 x 8 warps (one block an SM; scripts/cuda_registers.py): two smaller blocks' shapes against it.
-for plan in qmv.RPS=1 qmv.RPS=1,qmv.WARPS=4; do
+# qmv at 8 rows is 3.7 of the 8-slot step's 7.9 ms (run 90): 222-255 registers a lane, one 8-warp block an SM
+# (`scripts/cuda_registers.py --decode-step --rows 8`); no RPS / WARPS plan gets past 8 warps an SM. Capped at 128
+# registers: 2 blocks, 16 warps (64 bytes spilled, the lm_head's 612); at 168 with 4-warp blocks: 3, 12 warps.
+for plan in qmv.MAXREG=128 qmv.MAXREG=168,qmv.WARPS=4; do
   step 60 120 "the server's 8-row step on the GPU's timeline, LILY_MLX_PLAN=$plan" env LILY_MLX_PLAN="$plan" \
     python3 -m bench.gpu_timeline --model "$model" --context 64 --batch 8 --json "$res/timeline_batch8_${plan//[.,=]/_}.json"
 done

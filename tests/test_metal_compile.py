@@ -242,8 +242,14 @@ def test_plan_overrides_reach_the_planners_they_name(kernel_env):
     assert (qkv()["RPS"], qkv()["blocks"]) == (3, 384)
     kernel_env(kernels.PLAN_ENV, "attn_chain.IN_RPS=5")
     assert (qkv()["RPS"], qkv()["blocks"]) == (5, 231)
+    inst = qmv._instances()[0]
+    assert "__maxnreg__" not in kernels.full_source(qmv.SPEC, "cuda", inst)[1]
+    kernel_env(kernels.PLAN_ENV, "qmv.MAXREG=168")  # a register cap in qmv's builds, any count: not in its plan
+    assert "__maxnreg__(168)" in kernels.full_source(qmv.SPEC, "cuda", inst)[1] and qmv.plan(8, 2048, 12352, 4)["RPS"] == 2
+    assert "__maxnreg__" not in kernels.full_source(qmv.ATTN_SPEC, "cuda", qmv._attn_instances()[0])[1]
     for bad in ("moe_gate_up.WARPS", "moe_gate_up.LANES=4", "attn_chain.WARPS=4", "qmv.RPS=3", "qmv.WARPS=64",
-                "qmv.RPS=0", "WARPS=4", "deltanet_chain.IN_RPS=9", "deltanet_chain.RPS=2"):
+                "qmv.RPS=0", "WARPS=4", "deltanet_chain.IN_RPS=9", "deltanet_chain.RPS=2", "qmv.MAXREG=256",
+                "qmv_attn.MAXREG=128"):
         kernel_env(kernels.PLAN_ENV, bad)
         with pytest.raises(ValueError, match=kernels.PLAN_ENV):
             moe.plan_gate_up(*shape)

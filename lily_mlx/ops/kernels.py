@@ -598,8 +598,10 @@ PLANNED["attn_chain"] = ("BLOCKS", "IN_RPS")  # the attention phase's blocks to 
 # input projection's rows a lane segment
 PLANNED["attn_decode"] = ("STAGE_ROWS",)  # the cached positions a split needs for its rows to go through shared memory
 PLANNED["deltanet_chain"] = ("IN_RPS", "OUT_RPS")  # rows a lane segment in its input and output projection phases
-PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20, "IN_RPS": 8, "OUT_RPS": 8}
-ANY_COUNT = ("IN_RPS", "OUT_RPS")  # not only powers of two: a chained phase's blocks each take their rows in one pass
+PLANNED["qmv"] += ("MAXREG",)  # a lane's registers capped in qmv's builds (a new build): more blocks an SM at 8 rows
+PLAN_LIMITS = {"RPS": 8, "WARPS": 32, "BLOCKS": 4096, "STAGE_ROWS": 1 << 20, "IN_RPS": 8, "OUT_RPS": 8, "MAXREG": 255}
+ANY_COUNT = ("IN_RPS", "OUT_RPS", "MAXREG")  # not only powers of two: a chained phase's blocks each take their rows
+# in one pass; a register cap is any count
 
 
 @functools.lru_cache(maxsize=None)
@@ -608,7 +610,8 @@ def plan_overrides() -> dict[str, dict[str, int]]:
     planner would choose it (a standalone kernel's rows a lane segment, warps a block), so a GPU run can time another
     shape with no new build. moe_chain's block follows moe_gate_up's plan; the other chains keep theirs, but for
     attn_chain.BLOCKS, the blocks its attention phase splits a long cache into (attn_chain.TARGET_BLOCKS), and
-    attn_chain.IN_RPS, deltanet_chain.IN_RPS / OUT_RPS, the projection phases' rows a lane segment (a new build).
+    attn_chain.IN_RPS, deltanet_chain.IN_RPS / OUT_RPS, the projection phases' rows a lane segment, and qmv.MAXREG, a
+    lane's register cap (each a new build).
     One more choice: attn_decode.STAGE_ROWS, the positions a split needs to stage its rows."""
     text = os.environ.get(PLAN_ENV, "").strip()
     plans: dict[str, dict[str, int]] = {}

@@ -200,6 +200,7 @@ SPEC = kernels.register_spec(kernels.KernelSpec(
     name="qmv", body="qmv.inc", input_names=("x", "w", "scales", "biases", "nw", "res"), output_names=("y",),
     template_params=SPEC_PARAMS, description="fused affine dequant GEMV, M <= 8 rows (decode), optional input "
     "RMSNorm and residual add", instances=_instances, weights=(("w", "scales", "biases"),),
+    cuda_max_registers=lambda t: kernels.plan_overrides().get("qmv", {}).get("MAXREG", 0),
 ))
 
 
