@@ -450,7 +450,7 @@ def test_occupancy_follows_the_sm90_limits():
 def test_decode_step_launches_are_traced_with_their_grids():
     """--decode-step's trace (narrow widths here): every kernel of an unchained, unpacked decode step, in order, each
     with the blocks and threads its dispatcher launches and a complete CUDA source; the default step launches the
-    chains."""
+    chains, and the server's 8-slot step (--rows 8) none of them."""
     tool = _register_tool()
     from bench.step_dispatch import NARROW, SWITCHES
 
@@ -464,6 +464,10 @@ def test_decode_step_launches_are_traced_with_their_grids():
     chained = [n for n, *_ in tool.decode_step_launches((), 64, NARROW)]
     assert chained.count("moe_chain_pb") == 4 and chained.count("deltanet_chain_out_pb") == 3
     assert "attn_chain_long_pb" in chained
+    slots = tool.decode_step_launches((), 64, NARROW, rows=8)  # the server's step of 8 slots: no chain takes 8 rows
+    names = [n for n, *_ in slots]
+    assert names.count("moe_gate_up_pw") == 4 and not any("chain" in n for n in names)
+    assert all("constexpr int M = 8;" in src for n, *_, src in slots if n == "qmv_pw") and "qmv_pw" in names
 
 
 def test_chain_hooks_reach_the_bodies_they_include():
