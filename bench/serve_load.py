@@ -10,8 +10,9 @@ generator at --decode-concurrency of the largest level) too, a fresh process per
 alternating for --rounds rounds; the table then gives each arm's median and lily's ratio to stock. Arm
 `baseline` is lily's server from another tree (--baseline DIR, e.g. `git archive REV lily_mlx kernels | tar -x -C
 DIR`), run from inside it so that its own lily_mlx is the one imported; the table gives lily's ratio to it too.
-Arm `lily+NAME` is this tree's server with switch NAME opted into (LILY_MLX_ENABLE), e.g. `--arms lily,lily+batched_prefill`
-for a switch's A/B on one machine; the table gives its ratio to plain lily.
+Arms `lily-with-NAME[+NAME...]` and `lily-no-NAME[+NAME...]` (bench.ab's names) are this tree's server with those
+switches opted into or turned off, on top of this process's own, e.g. `--arms lily,lily-with-batched_prefill` for a
+switch's A/B on one machine; the table gives their ratio to plain lily.
 
 Each level's row keeps its warm-up requests' wall time and TTFT too (`warm_up`): after a cold start, the first
 requests' wait. A request that receives nothing for --stall-timeout seconds counts as an error and ends its level (a stalled server
@@ -40,6 +41,8 @@ from typing import Optional
 from urllib.parse import urlparse
 
 import httpx
+
+from .arm import NO_PREFIX, WITH_PREFIX, ArmError, parse_arm
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOTAL_REQUESTS = 20000
@@ -132,12 +135,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-ARMS = ("lily", "stock", "baseline", "lily+SWITCH")
+SERVERS = ("lily", "stock", "baseline")
 
 
-def _arm_switches(arm: str) -> list[str]:
-    """lily+a+b -> [a, b]: the switches that arm opts into."""
-    return arm.split("+")[1:] if arm.startswith("lily+") else []
+def _switches(arm: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(switches turned off, switches opted into) of a lily-no-* / lily-with-* arm (bench.arm's names); none else."""
+    return parse_arm(arm)[2:] if arm.startswith((NO_PREFIX, WITH_PREFIX)) else ((), ())
 
 
 def _die_with_parent() -> None:
@@ -152,8 +155,9 @@ def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
     port = _free_port()
     root = baseline if arm == "baseline" else REPO  # `python -m` imports from its working directory first
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if _arm_switches(arm):
-        env["LILY_MLX_ENABLE"] = ",".join(filter(None, [os.environ.get("LILY_MLX_ENABLE", ""), *_arm_switches(arm)]))
+    for var, names in zip(("LILY_MLX_DISABLE", "LILY_MLX_ENABLE"), _switches(arm)):
+        if names:
+            env[var] = ",".join(filter(None, [os.environ.get(var, ""), *names]))
     if arm == "stock":
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port), "--decode-concurrency",
                str(max_batch), "--log-level", "WARNING"]
@@ -198,8 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--bar-token", type=int, action="append", default=None, help="token ids barred with logit_bias -100 (default: EOS)")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started lily server (repeatable)")
-    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock, baseline, lily+SWITCH "
-                   "(lily with that switch opted into) (default lily)")
+    p.add_argument("--arms", default="lily", help="comma-separated servers to start: lily, stock, baseline, "
+                   f"{WITH_PREFIX}SWITCH[+SWITCH...], {NO_PREFIX}SWITCH[+SWITCH...] (default lily)")
     p.add_argument("--baseline", type=Path, help="the tree arm `baseline` serves from (a folder holding a lily_mlx package)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternating (default 1)")
     p.add_argument("--stall-timeout", type=float, default=120,
@@ -211,13 +215,19 @@ def main(argv=None) -> int:
     if any(not 1 <= c <= 256 for c in levels) or args.requests_per_client < 1:
         p.error("concurrency must be in 1..256 and --requests-per-client >= 1")
     arms = args.arms.split(",")
-    if not arms or any(a not in ARMS[:3] and not _arm_switches(a) for a in arms) or len(set(arms)) != len(arms):
-        p.error(f"--arms takes distinct names of {', '.join(ARMS)}, got {args.arms!r}")
-    if any(_arm_switches(a) for a in arms):
+    switched = [a for a in arms if a not in SERVERS]
+    if not arms or len(set(arms)) != len(arms) or any(not a.startswith((NO_PREFIX, WITH_PREFIX)) for a in switched):
+        p.error(f"--arms takes distinct names of {', '.join(SERVERS)}, {WITH_PREFIX}SWITCH[+SWITCH...] or "
+                f"{NO_PREFIX}SWITCH[+SWITCH...], got {args.arms!r}")
+    try:
+        named = {n for a in switched for side in _switches(a) for n in side}
+    except ArmError as e:
+        p.error(f"--arms: {e}")
+    if named:
         from lily_mlx import ops
         from lily_mlx.server import engine  # noqa: F401 (registers the server's switches)
 
-        unknown = sorted({n for a in arms for n in _arm_switches(a)} - set(ops.KERNEL_NAMES))
+        unknown = sorted(named - set(ops.KERNEL_NAMES))
         if unknown:
             p.error(f"--arms: unknown switch {', '.join(unknown)}; known: {', '.join(sorted(ops.KERNEL_NAMES))}")
     if ("baseline" in arms) != (args.baseline is not None):
@@ -303,7 +313,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
     """Per level and arm: the median over rounds of the aggregate and per-sequence tok/s and TTFT, the aggregate's
     spread ((max - min) / median), lily's aggregate over stock's and over the baseline's where they ran, and each
-    lily+SWITCH arm's over lily's."""
+    lily-with-* / lily-no-* arm's over lily's."""
     out = []
     for c in levels:
         by_arm: dict[str, list[dict]] = {}
@@ -325,7 +335,7 @@ def _summary(runs: list[dict], levels: list[int]) -> list[dict]:
             if "lily" in level and medians.get(other):
                 level["lily"][f"x_{other}"] = round(medians["lily"] / medians[other], 2)
         for arm in level:
-            if _arm_switches(arm) and medians.get("lily"):
+            if arm not in SERVERS and medians.get("lily"):
                 level[arm]["x_lily"] = round(medians[arm] / medians["lily"], 2)
         out += level.values()
     return out

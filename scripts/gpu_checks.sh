@@ -321,7 +321,7 @@ fi
 # The opt-in server switches against the defaults, alternating, a fresh server per arm and round.
 for enable in batched_prefill batched_attn_decode; do
   step 150 240 "server at 8 clients, $enable on vs off" python3 -m bench.serve_load --model "$model" \
-    --arms "lily,lily+$enable" --rounds 2 --concurrency 8 --requests-per-client 2 --max-tokens 64 \
+    --arms "lily,lily-with-$enable" --rounds 2 --concurrency 8 --requests-per-client 2 --max-tokens 64 \
     --json "$res/serve8_$enable.json"
 done
 # The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.

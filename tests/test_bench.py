@@ -583,10 +583,11 @@ def test_chain_trace_needs_its_define(kernel_env):
 
 
 def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_path, capsys, monkeypatch):
-    """bench.serve_load --arms lily,stock,baseline,lily+batched_prefill: the four servers started in turn on the tiny
-    checkpoint (the baseline from its own tree: a copy whose package notes each import; the last with the switch opted
-    into), every request generating exactly --max-tokens (EOS barred), and the summary giving lily's aggregate over
-    stock's and over the baseline's, and the switch arm's over lily's."""
+    """bench.serve_load --arms lily,stock,baseline,lily-with-batched_prefill,lily-no-server_pipeline: the five
+    servers started in turn on the tiny checkpoint (the baseline from its own tree: a copy whose package notes each
+    import; the last two with their switches on top of this process's), every request generating exactly
+    --max-tokens (EOS barred), and the summary giving lily's aggregate over stock's and over the baseline's, and each
+    switch arm's over lily's."""
     import shutil
     import subprocess
 
@@ -596,6 +597,7 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     real_popen = subprocess.Popen
     monkeypatch.setattr(serve_load.subprocess, "Popen", lambda cmd, env, **kw: envs.append(env) or real_popen(cmd, env=env, **kw))
     monkeypatch.setenv("LILY_MLX_ENABLE", "batched_attn_decode")
+    monkeypatch.delenv("LILY_MLX_DISABLE", raising=False)
 
     repo = Path(__file__).resolve().parent.parent
     tree, mark = tmp_path / "baseline", tmp_path / "imported"
@@ -604,11 +606,13 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     init = tree / "lily_mlx" / "__init__.py"
     init.write_text(f"open({str(mark)!r}, 'a').write('imported\\n')\n" + init.read_text())
     out = tmp_path / "serve.json"
-    arms = ["lily", "stock", "baseline", "lily+batched_prefill"]
+    arms = ["lily", "stock", "baseline", "lily-with-batched_prefill", "lily-no-server_pipeline"]
     assert serve_load.main(["--tiny", "--arms", ",".join(arms), "--baseline", str(tree), "--concurrency", "2",
                             "--requests-per-client", "1", "--max-tokens", "5", "--json", str(out)]) == 0
     assert mark.read_text() == "imported\n"  # the baseline's server, and only it, ran the copy
-    assert [e["LILY_MLX_ENABLE"] for e in envs] == ["batched_attn_decode"] * 3 + ["batched_attn_decode,batched_prefill"]
+    assert [e["LILY_MLX_ENABLE"] for e in envs] == ["batched_attn_decode"] * 3 + ["batched_attn_decode,batched_prefill",
+                                                                                 "batched_attn_decode"]
+    assert [e.get("LILY_MLX_DISABLE") for e in envs] == [None] * 4 + ["server_pipeline"]
     report = json.loads(out.read_text())
     assert [r["arm"] for r in report["runs"]] == arms
     for run in report["runs"]:
@@ -620,11 +624,13 @@ def test_serve_load_runs_lily_stock_and_a_baseline_tree_on_the_same_load(tmp_pat
     for other in ("stock", "baseline"):
         assert lily[f"x_{other}"] == round(lily["decode_tok_per_s"] / by_arm[other]["decode_tok_per_s"], 2)
         assert f"x_{other}" not in by_arm[other]
-    switch = by_arm["lily+batched_prefill"]
-    assert switch["x_lily"] == round(switch["decode_tok_per_s"] / lily["decode_tok_per_s"], 2) and "x_lily" not in lily
+    for arm in arms[3:]:
+        assert by_arm[arm]["x_lily"] == round(by_arm[arm]["decode_tok_per_s"] / lily["decode_tok_per_s"], 2)
+    assert all("x_lily" not in by_arm[a] for a in arms[:3])
     assert "| 2 | stock | 1 |" in capsys.readouterr().out
     for bad in (["--arms", "lily,vllm"], ["--arms", "lily,lily"], ["--rounds", "0"], ["--arms", "lily,baseline"],
-                ["--arms", "lily,lily+no_such_switch"], ["--arms", "stock+batched_prefill"], ["--stall-timeout", "0"],
+                ["--arms", "lily,lily-with-no_such_switch"], ["--arms", "lily,lily-no-"], ["--arms", "lily+batched_prefill"],
+                ["--arms", "lily-model+stock-loop"], ["--stall-timeout", "0"],
                 ["--baseline", str(tmp_path), "--arms", "baseline"], ["--url", "http://127.0.0.1:9", "--arms", "stock"]):
         with pytest.raises(SystemExit) as e:
             serve_load.main(["--tiny", *bad] if "--url" not in bad else bad)
