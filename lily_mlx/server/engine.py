@@ -193,6 +193,12 @@ def make_processors(p: SamplingParams, max_new: int) -> list[tuple[Callable, Opt
     return procs
 
 
+def _sequence_layers(cache: list) -> bool:
+    """Whether every layer is mlx-lm's KVCache or ArraysCache: what batch caches split back into (extract) and what a
+    SlotBatchDecoder's slots are laid out from."""
+    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+
+
 def _as_batch(cache: list, n: int) -> list:
     """A sequence's cache (KVCache / ArraysCache per layer) as n rows of batch caches (BatchKVCache / ArraysCache)."""
     return [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in cache]
@@ -468,7 +474,7 @@ class Engine:
         chunk, with no snapshot to take before its end, into a cache of the layer types the rows split back into."""
         end = len(job.tokens) - 1
         snaps_inside = self.prefix_cache.enabled and any(job.pos < s < end for s in job.snaps)
-        types_ok = job.cache is None or all(type(c) in (KVCache, ArraysCache) for c in job.cache)
+        types_ok = job.cache is None or _sequence_layers(job.cache)
         return job.pos == 0 and 0 < end <= self.prefill_step and not snaps_inside and types_ok
 
     def _prefill_group(self, head: Job) -> list[Job]:
@@ -579,7 +585,7 @@ class Engine:
         it (a one-token prompt) a one-token forward's, built but never run (the decoder reads only its shapes)."""
         if SlotBatchDecoder.applicable(self.model, cache):
             return cache
-        if not ops.enabled("compiled_decode") or not all(type(c) in (KVCache, ArraysCache) for c in cache):
+        if not ops.enabled("compiled_decode") or not _sequence_layers(cache):
             return None
         filled = self.model.make_cache()
         self.model(mx.zeros((1, 1), mx.int32), cache=filled)
