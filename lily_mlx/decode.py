@@ -357,8 +357,7 @@ class SlotBatchDecoder:
         self.model = model
         model.fuse_projections(ops.enabled("packed_weights"))
         self.n_cache = len(layout)
-        self.kv_index = [i for i, c in enumerate(layout) if type(c) is KVCache]
-        self.state_index = [i for i, c in enumerate(layout) if type(c) is ArraysCache]
+        self.kv_index, self.state_index = _layer_kinds(layout)
         self.idx = layout[self.kv_index[0]].offset
         capacity = _round_up(self.idx + STEP)
         self.kv = [(_empty_rows(layout[i].keys, slots, capacity), _empty_rows(layout[i].values, slots, capacity))
@@ -383,8 +382,7 @@ class SlotBatchDecoder:
         -> that slot. A sequence longer than `idx` moves every row right first."""
         if not self.free:
             raise ValueError(f"all {self.slots} slots are taken: grow() before join()")
-        if [i for i, c in enumerate(cache) if type(c) is KVCache] != self.kv_index or \
-                [i for i, c in enumerate(cache) if type(c) is ArraysCache] != self.state_index:
+        if _layer_kinds(cache) != (self.kv_index, self.state_index):
             raise ValueError("the joining cache's layers are not this decoder's (KVCache / ArraysCache per layer)")
         length = cache[self.kv_index[0]].offset
         if length > self.idx:
@@ -467,6 +465,12 @@ class SlotBatchDecoder:
         self.kv, self.states = _unflatten(out[2:], len(self.kv), len(self.states))
         self.idx += tokens.shape[1]
         return out[0]
+
+
+def _layer_kinds(cache: List[Any]) -> tuple[list[int], list[int]]:
+    """(the layers holding a KVCache, those holding an ArraysCache) of a sequence cache."""
+    return ([i for i, c in enumerate(cache) if type(c) is KVCache],
+            [i for i, c in enumerate(cache) if type(c) is ArraysCache])
 
 
 def _empty_rows(like: mx.array, rows: int, capacity: Optional[int] = None) -> mx.array:
