@@ -341,9 +341,13 @@ if [ -n "${BASELINE:-}" ]; then
     --arms lily,baseline --baseline "$BASELINE" --rounds 2 --concurrency 1,8 \
     ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} --json "$res/serve_vs_baseline.json"
 fi
+# The warm-up alone with MLX's kernel cache empty, each piece logged with its time and the kernels it built (ours,
+# MLX's): where a cold machine's start goes (run 92: over 300 s before /health, the first request never sent).
+step 120 ${COLD_CAP:-300} "server warm-up, cold, piece by piece" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
+  python3 -m lily_mlx.server --model "$model" --warm-up-only
 # A cold start: the server with MLX's kernel cache empty (no prebuilt kernels), its warm-up building every kernel
 # before /health (the "ready in" line), then one client: the first request's TTFT is its level's warm_up row.
-step 150 240 "server cold start: warm-up, then the first request" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
+step 150 ${COLD_CAP:-240} "server cold start: warm-up, then the first request" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
   python3 -m bench.serve_load --model "$model" --concurrency 1 --requests-per-client 2 --max-tokens 64 \
   --json "$res/serve_cold.json"
 # The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8

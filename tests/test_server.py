@@ -645,6 +645,26 @@ def test_load_failure_exits_nonzero(tmp_path):
     assert "no such model folder" in p.stderr
 
 
+def test_warm_up_only_builds_then_exits(tiny_dir, tmp_path):
+    """--warm-up-only: load, the warm-up (each piece logged with its time), exit 0 without serving; a model that does
+    not load exits 1, and --no-warmup beside it is refused."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "lily_mlx.server", "--warm-up-only", *args], capture_output=True,
+                              text=True, timeout=180, env=env)
+
+    p = serve("--model", str(tiny_dir), "--max-batch", "2", "--prefill-step", "8")
+    assert p.returncode == 0, p.stderr[-2000:]
+    for piece in ("decode step of 1 row in", "decode step of 2 rows in", "prefill of 2 tokens in", "prefill of 8 tokens in"):
+        assert f"warm-up: {piece}" in p.stderr, p.stderr[-2000:]
+    assert "prefill of 16 tokens" not in p.stderr and "model ready" in p.stderr
+    p = serve("--model", str(tmp_path / "missing"))
+    assert p.returncode == 1 and "no such model folder" in p.stderr, p.stderr[-2000:]
+    p = serve("--model", str(tiny_dir), "--no-warmup")
+    assert p.returncode == 2 and "--warm-up-only and --no-warmup contradict" in p.stderr
+
+
 def test_engine_death_fails_requests_and_reports(tiny_dir):
     """A failure of the loop itself (here: the model cannot make a cache) answers open requests and calls on_death."""
     import lily_mlx

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -54,6 +55,9 @@ def build_parser(prog: str = "lily-mlx serve") -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=_positive(float), default=30.0, help="seconds SIGTERM waits for open requests (default 30)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip building the decode and prefill kernels before /health says ready")
+    p.add_argument("--warm-up-only", action="store_true",
+                   help="load the model, build every kernel the warm-up builds, then exit without serving: run once "
+                        "on a new machine or image, later starts find the builds on disk")
     p.add_argument("--prefill-step", type=_positive(int), default=512, help="prompt tokens per prefill chunk (default 512)")
     p.add_argument("--prefix-cache-bytes", type=_size, default=2 << 30, help="prefix cache size, 0 disables (default 2G)")
     p.add_argument("--chat-template-args", type=json.loads, default={}, help='JSON for apply_chat_template, e.g. \'{"enable_thinking": false}\'')
@@ -74,6 +78,20 @@ def serve(args: argparse.Namespace) -> int:
     if not isinstance(args.chat_template_args, dict):
         log.error("--chat-template-args must be a JSON object")
         return 2
+    if args.warm_up_only:
+        if not args.warmup:
+            log.error("--warm-up-only and --no-warmup contradict each other")
+            return 2
+        engine = Engine(lambda: load(args.model), max_batch=args.max_batch, prefill_step=args.prefill_step,
+                        warmup=True).start()
+        while not engine.ready.wait(0.5) and engine.alive:
+            pass
+        engine.stop()
+        # MLX's threads, started from the engine's, abort a normal interpreter exit ("terminate called without an
+        # active exception"): leave as the serving path does when the engine outlives it.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0 if engine.ready.is_set() and engine.dead is None else 1)
     cfg = ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key,
         max_queue=args.max_queue, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,

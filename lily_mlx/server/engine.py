@@ -18,6 +18,7 @@ request gets an error and `on_death` is called (the server then exits non-zero).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -41,7 +42,7 @@ from mlx_lm.sample_utils import (
 from ..decode import CompiledDecoder, SlotBatchDecoder
 from ..memory import bounded_prefill
 from .. import ops
-from ..ops import DECODE_KERNEL_ROWS
+from ..ops import DECODE_KERNEL_ROWS, kernel_cache
 from ..ops.kernels import row_bucket
 from .metrics import Metrics
 from .output import ChoiceOutput, TokenLogprob
@@ -199,6 +200,19 @@ def _sequence_layers(cache: list) -> bool:
     return all(type(c) in (KVCache, ArraysCache) for c in cache)
 
 
+@contextlib.contextmanager
+def _warm_piece(what: str):
+    """Logs one piece of the warm-up: its time, and on CUDA the kernels it built (ours through kernel_cache, MLX's own
+    as new files in its cache), so a cold machine's start says where its minutes go."""
+    cuda = ops.backend() == "cuda"
+    count = lambda: sum(1 for _ in kernel_cache.cache_dir().rglob("*.ptx")) if cuda else 0  # noqa: E731
+    before, ours, t0 = count(), kernel_cache.stats["built"], time.monotonic()
+    yield
+    built = kernel_cache.stats["built"] - ours
+    log.info("warm-up: %s in %.2f s%s", what, time.monotonic() - t0,
+             f" ({built} of our kernels built, {count() - before - built} of MLX's)" if cuda else "")
+
+
 def _as_batch(cache: list, n: int) -> list:
     """A sequence's cache (KVCache / ArraysCache per layer) as n rows of batch caches (BatchKVCache / ArraysCache)."""
     return [BatchKVCache.merge([c] * n) if isinstance(c, KVCache) else ArraysCache.merge([c] * n) for c in cache]
@@ -308,25 +322,27 @@ class Engine:
         t0 = time.monotonic()
         top = min(self.max_batch, DECODE_KERNEL_ROWS)
         for b in sorted({min(row_bucket(n), top) for n in range(1, top + 1)}):  # one batch per kernel build
-            cache = self.model.make_cache()
-            self.model(mx.zeros((1, 1), mx.int32), cache=cache)
-            if b == 1 and CompiledDecoder.applicable(self.model, cache):
-                logits = CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32))
-            elif b > 1 and SlotBatchDecoder.applicable(self.model, cache):
-                slots = SlotBatchDecoder(self.model, cache, row_bucket(b))
-                slots.join(cache)
-                logits = slots(mx.zeros((slots.slots, 1), mx.int32))
-            else:
-                logits = self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b))[:, -1, :]
-            mx.eval(ops.to_logprobs(logits.astype(mx.float32), greedy=True))
+            with _warm_piece(f"decode step of {b} row{'s' * (b > 1)}"):
+                cache = self.model.make_cache()
+                self.model(mx.zeros((1, 1), mx.int32), cache=cache)
+                if b == 1 and CompiledDecoder.applicable(self.model, cache):
+                    logits = CompiledDecoder(self.model, cache, reserve=2)(mx.zeros((1, 1), mx.int32))
+                elif b > 1 and SlotBatchDecoder.applicable(self.model, cache):
+                    slots = SlotBatchDecoder(self.model, cache, row_bucket(b))
+                    slots.join(cache)
+                    logits = slots(mx.zeros((slots.slots, 1), mx.int32))
+                else:
+                    logits = self.model(mx.zeros((b, 1), mx.int32), cache=_as_batch(cache, b))[:, -1, :]
+                mx.eval(ops.to_logprobs(logits.astype(mx.float32), greedy=True))
         lengths = sorted({min(2 ** i, self.prefill_step) for i in range(1, self.prefill_step.bit_length() + 1)})
         grouped = ops.enabled("batched_prefill") and self.max_batch > 1
         for n in lengths:
-            with bounded_prefill():
+            with _warm_piece(f"prefill of {n} tokens"), bounded_prefill():
                 cache = self.model.make_cache()
                 self.model(mx.zeros((1, n), mx.int32), cache=cache)
                 mx.eval([c.state for c in cache])
-                if grouped and 2 * n <= self.prefill_step:  # one of them padded
+            if grouped and 2 * n <= self.prefill_step:  # one of them padded
+                with _warm_piece(f"prefill of 2 x {n} tokens together"), bounded_prefill():
                     mx.eval([c.state for c in self._prefill_rows([[0] * n, [0] * (n - 1)])])
         log.info("warm-up: decode steps of 1 to %d rows, prefills of %s tokens, built in %.1f s", top,
                  "/".join(map(str, lengths)), time.monotonic() - t0)
