@@ -150,8 +150,8 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
-                  baseline: Optional[Path] = None) -> tuple[subprocess.Popen, str]:
+def _start_server(arm: str, model: str, max_batch: int, extra: list[str], baseline: Optional[Path] = None,
+                  ready_timeout: float = 600) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     root = baseline if arm == "baseline" else REPO  # `python -m` imports from its working directory first
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -166,7 +166,7 @@ def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
                str(max_batch), "--max-queue", str(max(64, max_batch)), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, env=env, cwd=root, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{arm} server exited with {proc.returncode}")
@@ -177,7 +177,7 @@ def _start_server(arm: str, model: str, max_batch: int, extra: list[str],
             pass
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"{arm} server not ready after 300 s")
+    raise RuntimeError(f"{arm} server not ready after {ready_timeout:g} s (--ready-timeout)")
 
 
 def _eos_ids(model_dir: Path) -> list[int]:
@@ -208,6 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of every arm, alternating (default 1)")
     p.add_argument("--stall-timeout", type=float, default=120,
                    help="seconds a request may receive nothing before it counts as an error and ends its level (default 120)")
+    p.add_argument("--ready-timeout", type=float, default=600,
+                   help="seconds a started server may take to answer /health (a machine with empty kernel caches builds "
+                        "them first; default 600)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -274,10 +277,11 @@ def main(argv=None) -> int:
                 for arm in arms:
                     t0 = time.monotonic()
                     proc, url = _start_server(arm, model, max(levels), args.server_arg,
-                                              args.baseline and args.baseline.resolve())
+                                              args.baseline and args.baseline.resolve(), args.ready_timeout)
                     try:
-                        print(f"{arm} server ready in {time.monotonic() - t0:.1f} s (load and kernel warm-up)", flush=True)
-                        runs.append({"arm": arm, "round": r, "levels": []})
+                        ready = time.monotonic() - t0
+                        print(f"{arm} server ready in {ready:.1f} s (load and kernel warm-up)", flush=True)
+                        runs.append({"arm": arm, "round": r, "ready_s": ready, "levels": []})
                         _run_levels(url, levels, args, bar, runs[-1], write)
                     finally:
                         _stop(proc)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any, Optional
@@ -127,6 +129,12 @@ def _quantized_modules(model: Model, cfg: ModelConfig, shapes: dict, origin: dic
     return found
 
 
+def _past_layers(key: str, layers: int) -> bool:
+    """Whether a sanitized tensor name belongs to a decoder layer at or past `layers` (not the MTP's layers)."""
+    m = re.match(r"language_model\.model\.layers\.(\d+)\.", key)
+    return m is not None and int(m.group(1)) >= layers
+
+
 def _shape_of(a) -> tuple:
     return tuple(a.shape)
 
@@ -140,12 +148,14 @@ def load_model(
     quantize: Optional[dict[str, int] | bool] = None,
     dtype: Optional[mx.Dtype] = None,
     progress: Optional[bool] = None,
+    layers: Optional[int] = None,
 ) -> tuple[Model, dict[str, Any]]:
     """Build the model from a checkpoint folder. Returns (model, raw config dict) like mlx_lm.utils.load_model.
 
     quantize: {"bits": 4, "group_size": 64} (or True for that) quantizes a float checkpoint on load with
     mlx-lm's predicate (8-bit router and shared-expert gate). dtype casts float parameters (not A_log).
-    Every tensor is checked (presence, shape) before anything is read, so a bad checkpoint fails whole.
+    layers keeps the first that many decoder layers and reads none of the others' tensors (the server's warm-up
+    workers build the kernels of a few layers of the very model). Every tensor is checked (presence, shape) before anything is read, so a bad checkpoint fails whole.
     """
     model_dir = Path(model_path)
     raw, cfg_path = read_config_json(model_dir)
@@ -153,6 +163,10 @@ def load_model(
         target = raw["text_config"] if isinstance(raw.get("text_config"), dict) and k in raw["text_config"] else raw
         target[k] = v
     cfg = ModelConfig.from_dict(raw, where=str(cfg_path))
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_hidden_layers:
+            raise ValueError(f"layers={layers}: {model_dir} has {cfg.num_hidden_layers} decoder layers")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
 
     files = weight_files(model_dir)
     headers = {f: read_safetensors_header(f) for f in files}
@@ -175,6 +189,8 @@ def load_model(
         sanitized, origin_keys = probe.sanitize_with_origins(weights)
     except KeyError as e:
         raise CheckpointError(f"{model_dir}: {e.args[0]}") from None
+    if layers is not None:
+        sanitized = {k: v for k, v in sanitized.items() if not _past_layers(k, layers)}
     origin = {k: (o, str(key_file.get(o, "?"))) for k, o in origin_keys.items()}
     mtp_layers = 1 + max(
         (int(k.split(".")[2]) for k in sanitized if k.startswith("mtp.layers.")), default=-1

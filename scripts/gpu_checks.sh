@@ -318,11 +318,13 @@ step 60 90 "launch cost by arity" python3 -m bench.launch_cost --sweep arity --j
 if ! python3 -c "import uvicorn, starlette, prometheus_client" 2>/dev/null && ls .ptx-cache/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --target /tmp/server-deps .ptx-cache/wheels/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/server-deps"
 fi
-# The opt-in server switches against the defaults, alternating, a fresh server per arm and round.
-for enable in batched_prefill batched_attn_decode; do
-  step 150 240 "server at 8 clients, $enable on vs off" python3 -m bench.serve_load --model "$model" \
-    --arms "lily,lily-with-$enable" --rounds 2 --concurrency 8 --requests-per-client 2 --max-tokens 64 \
-    --json "$res/serve8_$enable.json"
+# The server switches on against off, alternating, a fresh server per arm and round (batched_prefill is on by default
+# on CUDA, batched_attn_decode opt-in).
+for arm in lily-no-batched_prefill lily-with-batched_attn_decode; do
+  switch=${arm#lily-*-}
+  step 150 240 "server at 8 clients, $switch on vs off" python3 -m bench.serve_load --model "$model" \
+    --arms "lily,$arm" --rounds 2 --concurrency 8 --requests-per-client 2 --max-tokens 64 \
+    --json "$res/serve8_$switch.json"
 done
 # The engine's decode steps pipelined (server_pipeline: the next step queued before the host reads the last) and not.
 for disable in "" server_pipeline; do
@@ -342,12 +344,15 @@ if [ -n "${BASELINE:-}" ]; then
     ${SERVE_ARGS:---requests-per-client 2 --max-tokens 64} --json "$res/serve_vs_baseline.json"
 fi
 # The warm-up alone with MLX's kernel cache empty, each piece logged with its time and the kernels it built (ours,
-# MLX's): where a cold machine's start goes (run 92: over 300 s before /health, the first request never sent).
-step 120 ${COLD_CAP:-300} "server warm-up, cold, piece by piece" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
-  python3 -m lily_mlx.server --model "$model" --warm-up-only
+# MLX's): run 92 (H100) took 281 s, 207 of them the prefills of 16-64 tokens (MLX's own kernels). Then with 8 worker
+# processes holding 4 layers each running the pieces side by side (--warm-up-workers), each in a fresh cache folder.
+for workers in 8 0; do
+  step 120 ${COLD_CAP:-300} "server warm-up, cold, piece by piece, $workers workers" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
+    python3 -m lily_mlx.server --model "$model" --warm-up-only --warm-up-workers $workers
+done
 # A cold start: the server with MLX's kernel cache empty (no prebuilt kernels), its warm-up building every kernel
 # before /health (the "ready in" line), then one client: the first request's TTFT is its level's warm_up row.
-step 150 ${COLD_CAP:-240} "server cold start: warm-up, then the first request" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
+step 150 420 "server cold start: warm-up, then the first request" env MLX_PTX_CACHE_DIR="$(mktemp -d)" \
   python3 -m bench.serve_load --model "$model" --concurrency 1 --requests-per-client 2 --max-tokens 64 \
   --json "$res/serve_cold.json"
 # The server's 8-row decode step on the GPU's timeline, compiled (8 slots taken) and eager (compiled_decode off): 8

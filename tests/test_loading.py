@@ -178,3 +178,28 @@ print(mx.get_peak_memory(), mx.get_active_memory())
     peak, active = int(out[0]), int(out[1])
     assert size > 20e6
     assert active >= 0.95 * size and peak <= 1.1 * size, (peak, active, size)
+
+
+def test_first_layers_only(tiny_checkpoints):
+    """load_model(layers=k), as the server's warm-up workers load: the first k decoder layers, the same modules and
+    weights as the whole model's (quantized ones too), none of the later layers' tensors; k out of range is refused."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from lily_mlx.server.warm_up import layers_to_hold
+
+    path = tiny_checkpoints[0]["mlx_q4"]
+    whole, _ = load_model(path)
+    kinds = [layer.is_linear for layer in whole.language_model.model.layers]
+    assert layers_to_hold(str(path)) == kinds.index(False) + 1  # up to the first attention layer
+    k = 2
+    part, _ = load_model(path, layers=k)
+    assert [layer.is_linear for layer in part.language_model.model.layers] == kinds[:k]
+    want = {n: a for n, a in tree_flatten(whole.parameters()) if not n.startswith(tuple(
+        f"language_model.model.layers.{i}." for i in range(k, len(kinds))))}
+    got = dict(tree_flatten(part.parameters()))
+    assert got.keys() == want.keys() and any(a.dtype == mx.uint32 for a in got.values())
+    assert all(mx.array_equal(got[n], want[n]).item() for n in got)
+    for bad in (0, len(kinds) + 1):
+        with pytest.raises(ValueError, match=rf"layers={bad}: .* has {len(kinds)} decoder layers"):
+            load_model(path, layers=bad)

@@ -665,6 +665,43 @@ def test_warm_up_only_builds_then_exits(tiny_dir, tmp_path):
     assert p.returncode == 2 and "--warm-up-only and --no-warmup contradict" in p.stderr
 
 
+def test_warm_up_workers_run_each_piece_once_then_the_server_its_own_pass(tiny_dir, tmp_path, caplog):
+    """--warm-up-workers 2: two processes holding the first layers run the pieces between them (each piece in one),
+    all before the server's own pass; workers that cannot load only cost a warning, the server still warms up."""
+    import logging
+    import re
+
+    import lily_mlx
+    from lily_mlx.server.engine import Engine
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "lily_mlx.server", "--warm-up-only", "--warm-up-workers", "2", "--model",
+                        str(tiny_dir), "--max-batch", "2", "--prefill-step", "8"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "warm-up: 5 pieces in 2 worker processes" in p.stderr
+    lines = p.stderr.splitlines()
+    done = [(m.group(1), m.group(2)) for m in (re.search(r"\(worker (\d+)\): warm-up: (.+) in [\d.]+ s", l) for l in lines) if m]
+    labels = ["decode step of 1 row", "decode step of 2 rows", "prefill of 2 tokens", "prefill of 4 tokens",
+              "prefill of 8 tokens"]
+    assert sorted(label for _, label in done) == sorted(labels) and len({w for w, _ in done}) == 2, done
+    last_worker = max(i for i, l in enumerate(lines) if "(worker " in l)
+    first_own = next(i for i, l in enumerate(lines) if "lily_mlx.server: warm-up: decode step of 1 row in" in l)
+    assert last_worker < first_own
+
+    model, tok = lily_mlx.load(str(tiny_dir))
+    with caplog.at_level(logging.INFO, logger="lily_mlx.server"):
+        engine = Engine(lambda: (model, tok), max_batch=2, prefill_step=8, warmup=True, warm_up_workers=2,
+                        model_path=str(tmp_path / "missing")).start()
+        try:
+            assert engine.ready.wait(120) and engine.dead is None
+        finally:
+            engine.stop()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("exited with 1; the server builds its pieces itself" in m for m in said) == 2, said
+    assert any(m.startswith("warm-up: prefill of 8 tokens in") for m in said)
+
+
 def test_engine_death_fails_requests_and_reports(tiny_dir):
     """A failure of the loop itself (here: the model cannot make a cache) answers open requests and calls on_death."""
     import lily_mlx
@@ -1164,8 +1201,8 @@ def test_batched_prefill_gives_each_row_its_own_prefill(tiny_dir, monkeypatch):
         per_choice = [[e for e in ev if e[0] in ("delta", "finish")] for ev in events]
         return ["".join(str(e[2]) for e in ev if e[0] == "delta") + str(ev[-1][1:]) for ev in per_choice], snapped
 
-    assert not ops.enabled("batched_prefill")
-    alone, snapped_alone = run()
+    with ops.switched("batched_prefill", False):
+        alone, snapped_alone = run()
     assert groups == []
     with ops.switched("batched_prefill", True):
         together, snapped = run()
