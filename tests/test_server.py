@@ -647,7 +647,7 @@ def test_load_failure_exits_nonzero(tmp_path):
 
 def test_warm_up_only_builds_then_exits(tiny_dir, tmp_path):
     """--warm-up-only: load, the warm-up (each piece logged with its time), exit 0 without serving; a model that does
-    not load exits 1, and --no-warmup beside it is refused."""
+    not load exits 1, and --no-warmup beside it (or beside --warm-up-workers) is refused."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def serve(*args):
@@ -663,6 +663,9 @@ def test_warm_up_only_builds_then_exits(tiny_dir, tmp_path):
     assert p.returncode == 1 and "no such model folder" in p.stderr, p.stderr[-2000:]
     p = serve("--model", str(tiny_dir), "--no-warmup")
     assert p.returncode == 2 and "--warm-up-only and --no-warmup contradict" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "lily_mlx.server", "--model", str(tiny_dir), "--no-warmup",
+                        "--warm-up-workers", "2"], capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 2 and "--warm-up-workers and --no-warmup contradict" in p.stderr
 
 
 def test_warm_up_workers_run_each_piece_once_then_the_server_its_own_pass(tiny_dir, tmp_path, caplog):

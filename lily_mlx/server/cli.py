@@ -101,10 +101,10 @@ def serve(args: argparse.Namespace) -> int:
     if not isinstance(args.chat_template_args, dict):
         log.error("--chat-template-args must be a JSON object")
         return 2
+    if not args.warmup and (args.warm_up_only or args.warm_up_workers):
+        log.error("--%s and --no-warmup contradict each other", "warm-up-only" if args.warm_up_only else "warm-up-workers")
+        return 2
     if args.warm_up_only:
-        if not args.warmup:
-            log.error("--warm-up-only and --no-warmup contradict each other")
-            return 2
         engine = Engine(lambda: load(args.model), max_batch=args.max_batch, prefill_step=args.prefill_step,
                         warmup=True, warm_up_workers=args.warm_up_workers, model_path=_model_path(args)).start()
         while not engine.ready.wait(0.5) and engine.alive:
