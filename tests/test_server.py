@@ -705,6 +705,45 @@ def test_warm_up_workers_run_each_piece_once_then_the_server_its_own_pass(tiny_d
     assert any(m.startswith("warm-up: prefill of 8 tokens in") for m in said)
 
 
+def test_a_workers_first_layers_launch_the_kernels_of_the_whole_model(tmp_path):
+    """What --warm-up-workers rests on: with the CUDA path traced on this CPU (each launch a stand-in recording the
+    source MLX would build), the warm-up of an 8-layer model's first layers (layers_to_hold: up to the first attention
+    layer) launches exactly the kernel builds of the whole model's warm-up."""
+    from unittest import mock
+
+    import tiny
+    from bench.step_dispatch import standin
+    from lily_mlx import ops
+    from lily_mlx.loading import load_model
+    from lily_mlx.ops import kernels
+    from lily_mlx.server import warm_up
+    from lily_mlx.server.engine import Engine
+
+    hf = tiny.write_hf(tiny.hf_model(num_hidden_layers=8), tmp_path / "eight")
+    path = tiny.write_mlx(hf, tmp_path / "eight_q4", quantize=True, group_size=32, bits=4)
+    built: set = set()
+
+    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+        built.add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
+                                               output_dtypes)[1]))
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
+
+    def launched(layers):
+        built.clear()
+        engine = Engine(lambda: None, max_batch=4, prefill_step=128)
+        engine.model, _ = load_model(path, layers=layers)
+        for _, run in warm_up.pieces(engine):
+            run()
+        return set(built)
+
+    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
+            mock.patch.object(kernels, "sm_count", lambda: 132), ops.switched("batched_prefill", True):
+        held = warm_up.layers_to_hold(str(path))
+        whole, first = launched(None), launched(held)
+    assert held == 4 and {"qmv", "deltanet_chunk", "moe_sort", "logprobs"} <= {n for n, _ in whole}
+    assert first == whole, sorted(n for n, _ in first ^ whole)
+
+
 def test_engine_death_fails_requests_and_reports(tiny_dir):
     """A failure of the loop itself (here: the model cannot make a cache) answers open requests and calls on_death."""
     import lily_mlx
