@@ -255,9 +255,12 @@ def test_chains_take_one_row_unless_opted_in(monkeypatch):
     two = mx.zeros((1, 2, K))
     assert ops.chain_takes("moe_chain", two) and not ops.chain_takes("moe_chain", two.swapaxes(0, 1))  # [2, 1, K]
     assert not ops.chain_takes("moe_chain", two[0]) and not ops.chain_takes("moe_chain", mx.zeros((1, 3, K)))
+    import lily_mlx.server.engine  # noqa: F401  (registers the server's switches)
+
     assert set(ops.backend_defaults("cuda")) == {"moe_chain", "deltanet_chain_out", "attn_chain", "packed_weights",
                                                  "bundled_weights", "kv_scatter", "kv_write", "cuda_source_files",
-                                                 "logprobs", "logprobs_argmax", "verify_keep", "mtp_resident"}
+                                                 "logprobs", "logprobs_argmax", "verify_keep", "mtp_resident",
+                                                 "batched_prefill"}
     assert ops.backend_defaults("metal") == ()
 
 
