@@ -63,8 +63,9 @@ def build_parser(prog: str = "lily-mlx serve") -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip building the decode and prefill kernels before /health says ready")
     p.add_argument("--warm-up-workers", type=_count, default=0,
-                   help="processes that run the warm-up's pieces side by side while the model loads, each holding a "
-                        "few of its layers: a machine with empty kernel caches starts sooner (default 0: none)")
+                   help="processes that run the warm-up's pieces side by side while the model loads, each holding "
+                        "its first layers (logged; ~3 GB of the 35B-A3B by its tensor sizes) beside the server's "
+                        "model: a machine with empty kernel caches starts sooner (default 0: none)")
     p.add_argument("--warm-up-only", action="store_true",
                    help="load the model, build every kernel the warm-up builds, then exit without serving: run once "
                         "on a new machine or image, later starts find the builds on disk")

@@ -162,10 +162,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     engine = Engine(lambda: None, max_batch=args.max_batch, prefill_step=args.prefill_step)
     try:
-        engine.model, _ = load_model(args.model, layers=layers_to_hold(args.model), progress=False)
+        layers = layers_to_hold(args.model)
+        engine.model, _ = load_model(args.model, layers=layers, progress=False)
     except (OSError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
         log.error("cannot load %s: %s", args.model, e)
         return 1
+    # Each worker holds this beside the server's whole model: what sizes N on a small GPU.
+    log.info("warm-up worker holds %d layers, %.1f GB", layers, mx.get_active_memory() / 1e9)
     known = dict(pieces(engine))
     unknown = [label for label in args.piece if label not in known]
     if unknown:
