@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -705,28 +706,39 @@ def test_warm_up_workers_run_each_piece_once_then_the_server_its_own_pass(tiny_d
     assert any(m.startswith("warm-up: prefill of 8 tokens in") for m in said)
 
 
+@contextlib.contextmanager
+def _cuda_builds_traced(into: Callable[[], set]):
+    """The CUDA path traced on this CPU: each kernel launch a stand-in that adds (name, full source) to the set
+    `into()` returns (MLX names a build by its full source's hash: a source is one build), on a GPU of 132 SMs."""
+    from unittest import mock
+
+    from bench.step_dispatch import standin
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
+
+    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+        into().add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
+                                                output_dtypes)[1]))
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
+
+    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
+            mock.patch.object(kernels, "sm_count", lambda: 132):
+        yield
+
+
 def test_a_workers_first_layers_launch_the_kernels_of_the_whole_model(tmp_path):
     """What --warm-up-workers rests on: with the CUDA path traced on this CPU (each launch a stand-in recording the
     source MLX would build), the warm-up of an 8-layer model's first layers (layers_to_hold: up to the first attention
     layer) launches exactly the kernel builds of the whole model's warm-up."""
-    from unittest import mock
-
     import tiny
-    from bench.step_dispatch import standin
     from lily_mlx import ops
     from lily_mlx.loading import load_model
-    from lily_mlx.ops import kernels
     from lily_mlx.server import warm_up
     from lily_mlx.server.engine import Engine
 
     hf = tiny.write_hf(tiny.hf_model(num_hidden_layers=8), tmp_path / "eight")
     path = tiny.write_mlx(hf, tmp_path / "eight_q4", quantize=True, group_size=32, bits=4)
     built: set = set()
-
-    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        built.add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
-                                               output_dtypes)[1]))
-        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
 
     def launched(layers):
         built.clear()
@@ -736,8 +748,7 @@ def test_a_workers_first_layers_launch_the_kernels_of_the_whole_model(tmp_path):
             run()
         return set(built)
 
-    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
-            mock.patch.object(kernels, "sm_count", lambda: 132), ops.switched("batched_prefill", True):
+    with _cuda_builds_traced(lambda: built), ops.switched("batched_prefill", True):
         held = warm_up.layers_to_hold(str(path))
         whole, first = launched(None), launched(held)
     assert held == 4 and {"qmv", "deltanet_chunk", "moe_sort", "logprobs"} <= {n for n, _ in whole}
@@ -1029,12 +1040,8 @@ def test_warm_up_launches_every_kernel_the_first_requests_launch(tiny_dir, batch
     the requests after the warm-up launch no kernel it did not: prompts of 3 to 300 tokens arriving together,
     prefilled alone or grouped and decoded in slots, their logprobs. The prefill's kernels, picked by rows, and the
     logprobs kernel were built inside the first requests before (30 s of no output on a cold H100, run 91)."""
-    from unittest import mock
-
     import lily_mlx
-    from bench.step_dispatch import standin
     from lily_mlx import ops
-    from lily_mlx.ops import kernels
     from lily_mlx.server.engine import Engine, Request
     from lily_mlx.server.output import ChoiceOutput
     from lily_mlx.server.schema import SamplingParams
@@ -1042,14 +1049,7 @@ def test_warm_up_launches_every_kernel_the_first_requests_launch(tiny_dir, batch
     built: dict[str, set] = {"warm-up": set(), "requests": set()}
     phase = ["warm-up"]
 
-    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        # MLX names a build by its full source's hash: a source is one build
-        built[phase[0]].add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
-                                                         output_dtypes)[1]))
-        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
-
-    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
-            mock.patch.object(kernels, "sm_count", lambda: 132), ops.switched("batched_prefill", batched_prefill):
+    with _cuda_builds_traced(lambda: built[phase[0]]), ops.switched("batched_prefill", batched_prefill):
         model, tok = lily_mlx.load(str(tiny_dir))
         engine = Engine(lambda: (model, tok), max_batch=4, warmup=True).start()
         try:
