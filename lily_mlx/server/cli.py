@@ -105,17 +105,6 @@ def serve(args: argparse.Namespace) -> int:
     if not args.warmup and (args.warm_up_only or args.warm_up_workers):
         log.error("--%s and --no-warmup contradict each other", "warm-up-only" if args.warm_up_only else "warm-up-workers")
         return 2
-    if args.warm_up_only:
-        engine = Engine(lambda: load(args.model), max_batch=args.max_batch, prefill_step=args.prefill_step,
-                        warmup=True, warm_up_workers=args.warm_up_workers, model_path=_model_path(args)).start()
-        while not engine.ready.wait(0.5) and engine.alive:
-            pass
-        engine.stop()
-        # MLX's threads, started from the engine's, abort a normal interpreter exit ("terminate called without an
-        # active exception"): leave as the serving path does when the engine outlives it.
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(0 if engine.ready.is_set() and engine.dead is None else 1)
     cfg = ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port, api_key=args.api_key,
         max_queue=args.max_queue, max_batch=args.max_batch, max_body_bytes=args.max_body_bytes,
@@ -143,6 +132,16 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(lambda: load(cfg.model), max_batch=cfg.max_batch, max_queue=cfg.max_queue, prefill_step=cfg.prefill_step,
                     prefix_cache=PrefixCache(cfg.prefix_cache_bytes), metrics=metrics, on_death=on_death,
                     warmup=cfg.warmup, warm_up_workers=args.warm_up_workers, model_path=_model_path(args))
+    if args.warm_up_only:
+        engine.start()
+        while not engine.ready.wait(0.5) and engine.alive:
+            pass
+        engine.stop()
+        # MLX's threads, started from the engine's, abort a normal interpreter exit ("terminate called without an
+        # active exception"): leave as the serving path does when the engine outlives it.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0 if engine.ready.is_set() and engine.dead is None else 1)
     state = Server(cfg, engine, metrics)
     app = create_app(state)
 
