@@ -155,7 +155,8 @@ def load_model(
     quantize: {"bits": 4, "group_size": 64} (or True for that) quantizes a float checkpoint on load with
     mlx-lm's predicate (8-bit router and shared-expert gate). dtype casts float parameters (not A_log).
     layers keeps the first that many decoder layers and reads none of the others' tensors (the server's warm-up
-    workers build the kernels of a few layers of the very model). Every tensor is checked (presence, shape) before anything is read, so a bad checkpoint fails whole.
+    workers build the kernels of a few layers of the very model). Every tensor is checked (presence, shape) before
+    anything is read, so a bad checkpoint fails whole.
     """
     model_dir = Path(model_path)
     raw, cfg_path = read_config_json(model_dir)
