@@ -301,6 +301,23 @@ def test_bench_refused_row_states_the_ratio_every_round_allows():
     assert "lily's decode is 8.79x to 11.09x stock's, prefill 3.33x to 3.83x" in ab.markdown(report)
 
 
+def test_bench_a_steady_throughput_stands_beside_a_spread_one():
+    """Run 92's row: lily's 256-token prefill spread 20.9% (2069.7, 2551.7) while both arms' decode held within 3%;
+    the decode claim stands, the prefill one does not, and tokens that differ take both."""
+    base = {"ttft_s": 1.0, "peak_memory_gb": 1.0, "distinct_tokens": 3, "reported": {}, "tokens": [[1, 2, 3]], "digest": "x"}
+    stock = [{**base, "prefill_tps": 300.0, "decode_tps": 33.6}, {**base, "prefill_tps": 301.0, "decode_tps": 33.9}]
+    lily = [{**base, "prefill_tps": 2069.7, "decode_tps": 412.0}, {**base, "prefill_tps": 2551.7, "decode_tps": 413.0}]
+    row = ab.evaluate(256, 64, 1, {"stock": stock, "lily": lily}, "stock", 0.03, None)
+    assert row["status"] == "refused" and row["claims"] == {"prefill": "refused", "decode": "ok"}
+    assert ab.status_text(row) == "refused; decode stands"
+    other = [{**t, "tokens": [[1, 2, 4]], "digest": "y"} for t in lily]
+    row = ab.evaluate(256, 64, 1, {"stock": stock, "lily": other}, "stock", 0.03, None)
+    assert row["claims"] == {"prefill": "refused", "decode": "refused"} and ab.status_text(row) == "refused"
+    steady = [{**t, "prefill_tps": 2069.7} for t in lily]
+    row = ab.evaluate(256, 64, 1, {"stock": stock, "lily": steady}, "stock", 0.03, None)
+    assert row["status"] == "ok" and set(row["claims"].values()) == {"ok"} and ab.status_text(row) == "ok"
+
+
 def test_perplexity_windows_score_every_target_once():
     assert perplexity.windows(10, 4, 2) == [(0, 5, 1), (2, 7, 5), (4, 9, 7), (6, 10, 9)]
     assert perplexity.windows(9, 4, 4) == [(0, 5, 1), (4, 9, 5)]
