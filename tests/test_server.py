@@ -726,33 +726,50 @@ def _cuda_builds_traced(into: Callable[[], set]):
         yield
 
 
-def test_a_workers_first_layers_launch_the_kernels_of_the_whole_model(tmp_path):
-    """What --warm-up-workers rests on: with the CUDA path traced on this CPU (each launch a stand-in recording the
-    source MLX would build), the warm-up of an 8-layer model's first layers (layers_to_hold: up to the first attention
-    layer) launches exactly the kernel builds of the whole model's warm-up."""
-    import tiny
+def _warm_up_traced(path, layers: Optional[int]) -> set:
+    """The kernel builds (name, source) the warm-up of `path`'s first `layers` (None: all) launches on the CUDA path,
+    traced on this CPU."""
     from lily_mlx import ops
     from lily_mlx.loading import load_model
     from lily_mlx.server import warm_up
     from lily_mlx.server.engine import Engine
 
-    hf = tiny.write_hf(tiny.hf_model(num_hidden_layers=8), tmp_path / "eight")
-    path = tiny.write_mlx(hf, tmp_path / "eight_q4", quantize=True, group_size=32, bits=4)
     built: set = set()
-
-    def launched(layers):
-        built.clear()
+    with _cuda_builds_traced(lambda: built), ops.switched("batched_prefill", True):
         engine = Engine(lambda: None, max_batch=4, prefill_step=128)
         engine.model, _ = load_model(path, layers=layers)
         for _, run in warm_up.pieces(engine):
             run()
-        return set(built)
+    return built
 
-    with _cuda_builds_traced(lambda: built), ops.switched("batched_prefill", True):
-        held = warm_up.layers_to_hold(str(path))
-        whole, first = launched(None), launched(held)
+
+def test_a_workers_first_layers_launch_the_kernels_of_the_whole_model(tmp_path):
+    """What --warm-up-workers rests on: with the CUDA path traced on this CPU (each launch a stand-in recording the
+    source MLX would build), the warm-up of an 8-layer model's first layers (layers_to_hold: up to the first attention
+    layer) launches exactly the kernel builds of the whole model's warm-up, and builds every fused kernel of MLX's
+    compile that the whole model's warm-up builds: MLX's CPU backend writes those to $TMPDIR/mlx/<version>/cpu by the
+    name of the fused graph (as its CUDA backend names its PTX), so the whole model, run after the first layers in the
+    same folder, writes nothing new. The first 3 layers (no attention layer) write 6 of the 42 files (source and library)."""
+    import tiny
+    from lily_mlx.server import warm_up
+
+    hf = tiny.write_hf(tiny.hf_model(num_hidden_layers=8), tmp_path / "eight")
+    path = tiny.write_mlx(hf, tmp_path / "eight_q4", quantize=True, group_size=32, bits=4)
+    held = warm_up.layers_to_hold(str(path))
+    whole, first = _warm_up_traced(path, None), _warm_up_traced(path, held)
     assert held == 4 and {"qmv", "deltanet_chunk", "moe_sort", "logprobs"} <= {n for n, _ in whole}
     assert first == whole, sorted(n for n, _ in first ^ whole)
+
+    fused = tmp_path / "tmp" / "mlx"
+    traced = ("import sys; sys.path[:0] = [sys.argv[1]]; from test_server import _warm_up_traced; "
+              "_warm_up_traced(sys.argv[2], None if sys.argv[3] == 'all' else int(sys.argv[3]))")
+    written = []
+    for layers in (held, "all"):
+        fused.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-c", traced, str(REPO / "tests"), str(path), str(layers)], check=True,
+                       env={**os.environ, "TMPDIR": str(fused.parent)}, timeout=300)
+        written.append({f.name for f in fused.rglob("*") if f.is_file()} - set().union(*written))
+    assert len(written[0]) > 12 and written[1] == set(), sorted(written[1])
 
 
 def test_engine_death_fails_requests_and_reports(tiny_dir):
