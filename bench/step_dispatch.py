@@ -68,6 +68,23 @@ def standin(name, backend, inputs, template, grid, group, output_shapes, output_
     return mx.depends(outs, list(inputs))
 
 
+@contextlib.contextmanager
+def cuda_builds_traced(into):
+    """The CUDA path traced on this CPU: each kernel launch a stand-in that adds (name, full source) to the set
+    `into()` returns (MLX names a build by its full source's hash: a source is one build), on a GPU of 132 SMs."""
+    from lily_mlx import ops
+    from lily_mlx.ops import kernels
+
+    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
+        into().add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
+                                                output_dtypes)[1]))
+        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
+
+    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
+            mock.patch.object(kernels, "sm_count", lambda: 132):
+        yield
+
+
 def hashed_bytes(name, inputs, template, output_dtypes, folder: Path) -> tuple[int, int]:
     """The bytes of source MLX's CUDA backend hashes at each launch of this kernel: inline, and as cuda_source_files
     writes it (#include stubs of files in `folder`)."""

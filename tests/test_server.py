@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -706,36 +705,17 @@ def test_warm_up_workers_run_each_piece_once_then_the_server_its_own_pass(tiny_d
     assert any(m.startswith("warm-up: prefill of 8 tokens in") for m in said)
 
 
-@contextlib.contextmanager
-def _cuda_builds_traced(into: Callable[[], set]):
-    """The CUDA path traced on this CPU: each kernel launch a stand-in that adds (name, full source) to the set
-    `into()` returns (MLX names a build by its full source's hash: a source is one build), on a GPU of 132 SMs."""
-    from unittest import mock
-
-    from bench.step_dispatch import standin
-    from lily_mlx import ops
-    from lily_mlx.ops import kernels
-
-    def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-        into().add((name, kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template,
-                                                output_dtypes)[1]))
-        return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
-
-    with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
-            mock.patch.object(kernels, "sm_count", lambda: 132):
-        yield
-
-
 def _warm_up_traced(path, layers: Optional[int]) -> set:
     """The kernel builds (name, source) the warm-up of `path`'s first `layers` (None: all) launches on the CUDA path,
     traced on this CPU."""
+    from bench.step_dispatch import cuda_builds_traced
     from lily_mlx import ops
     from lily_mlx.loading import load_model
     from lily_mlx.server import warm_up
     from lily_mlx.server.engine import Engine
 
     built: set = set()
-    with _cuda_builds_traced(lambda: built), ops.switched("batched_prefill", True):
+    with cuda_builds_traced(lambda: built), ops.switched("batched_prefill", True):
         engine = Engine(lambda: None, max_batch=4, prefill_step=128)
         engine.model, _ = load_model(path, layers=layers)
         for _, run in warm_up.pieces(engine):
@@ -1058,6 +1038,7 @@ def test_warm_up_launches_every_kernel_the_first_requests_launch(tiny_dir, batch
     prefilled alone or grouped and decoded in slots, their logprobs. The prefill's kernels, picked by rows, and the
     logprobs kernel were built inside the first requests before (30 s of no output on a cold H100, run 91)."""
     import lily_mlx
+    from bench.step_dispatch import cuda_builds_traced
     from lily_mlx import ops
     from lily_mlx.server.engine import Engine, Request
     from lily_mlx.server.output import ChoiceOutput
@@ -1066,7 +1047,7 @@ def test_warm_up_launches_every_kernel_the_first_requests_launch(tiny_dir, batch
     built: dict[str, set] = {"warm-up": set(), "requests": set()}
     phase = ["warm-up"]
 
-    with _cuda_builds_traced(lambda: built[phase[0]]), ops.switched("batched_prefill", batched_prefill):
+    with cuda_builds_traced(lambda: built[phase[0]]), ops.switched("batched_prefill", batched_prefill):
         model, tok = lily_mlx.load(str(tiny_dir))
         engine = Engine(lambda: (model, tok), max_batch=4, warmup=True).start()
         try:

@@ -5,7 +5,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx  # noqa: E402
@@ -13,11 +12,10 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_map_with_path  # noqa: E402
 
 from bench import random_model  # noqa: E402
-from bench.step_dispatch import standin  # noqa: E402
-from lily_mlx import ops  # noqa: E402
+from bench.step_dispatch import cuda_builds_traced  # noqa: E402
 from lily_mlx.config import ModelConfig  # noqa: E402
 from lily_mlx.model import Model  # noqa: E402
-from lily_mlx.ops import kernel_cache, kernels  # noqa: E402
+from lily_mlx.ops import kernel_cache  # noqa: E402
 from lily_mlx.server.engine import Engine  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -30,17 +28,9 @@ model = Model(cfg)
 nn.quantize(model, class_predicate=lambda p, m: model.quant_predicate(p, m) if hasattr(m, "to_quantized") else False)
 model.update(tree_map_with_path(lambda p, x: mx.zeros(x.shape, mx.bfloat16 if x.dtype == mx.float32 and not
                                                       p.endswith("A_log") else x.dtype), model.parameters()))
-found = {}  # full source -> kernel name: MLX names a build by its source
+found: set = set()  # (kernel name, full source): MLX names a build by its source
 
-
-def recorded(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem):
-    source = kernels.launch_source(name, ops.enabled("cuda_source_files"), inputs, template, output_dtypes)[1]
-    found.setdefault(source, name)
-    return standin(name, backend, inputs, template, grid, group, output_shapes, output_dtypes, init_value, smem)
-
-
-with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "backend", lambda: "cuda"), \
-        mock.patch.object(kernels, "sm_count", lambda: 132):
+with cuda_builds_traced(lambda: found):
     model.fuse_projections()
     eng = Engine(lambda: None, max_batch=a.max_batch, prefill_step=a.prefill_step)
     eng.model = model
@@ -48,7 +38,7 @@ with mock.patch.object(kernels, "launch", recorded), mock.patch.object(ops, "bac
     eng._warm_up()
 print(f"warm-up traced in {time.time() - t0:.0f} s: {len(found)} instances")
 by = {}
-for name in found.values():
+for name, _ in found:
     by[name] = by.get(name, 0) + 1
 for name, n in sorted(by.items(), key=lambda x: -x[1]):
     print(f"  {n:4d} {name}")
@@ -58,7 +48,7 @@ if a.build:
     nvrtc = kernel_cache.Nvrtc()
     with tempfile.TemporaryDirectory() as tmp:
         options = kernel_cache.offline_options(nvrtc, Path(tmp) / "include")
-        for source, name in list(found.items())[:a.build]:
+        for name, source in list(found)[:a.build]:
             kernel = re.search(r"__global__ void (custom_kernel_\w+)\(", source).group(1)
             t = time.time()
             nvrtc.compile(source, "k.cu", "mlx::core::cu::" + kernel, options,
